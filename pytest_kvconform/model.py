@@ -1,0 +1,93 @@
+"""Plain result types shared by the reference and every backend.
+
+Everything here is a frozen dataclass of integers, floats and strings, so a
+:class:`KVPlan` compares field by field and snapshots cleanly. Standard library only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class HybridAlignment:
+    """Outcome of ``Platform._align_hybrid_block_size`` (vllm/platforms/interface.py)."""
+
+    block_size: int
+    attn_page_bytes_per_token: int
+    state_page_bytes: int
+    page_size_bytes: int  # block_size * attn_page_bytes_per_token
+    state_page_padded_bytes: int | None  # None when the pages were already equal
+    min_block_size: float  # state_page / attn_page_bytes_per_token (the unaligned minimum)
+
+    @property
+    def padding_pct(self) -> float:
+        """``100 * (attn_page - mamba) / mamba``, as vLLM's "Padding mamba page size by" log."""
+        if self.state_page_bytes == 0:
+            return 0.0
+        return 100 * (self.page_size_bytes - self.state_page_bytes) / self.state_page_bytes
+
+
+@dataclass(frozen=True)
+class KVCacheGroup:
+    """One KV cache group (``KVCacheGroupSpec``): a spec kind, its block and its layers."""
+
+    kind: str  # spec kind of its layers, or "uniform_type" (UniformTypeKVCacheSpecs)
+    block_size: int
+    page_size_bytes: int  # the group spec's page; for "uniform_type", the sum over its layers
+    layer_names: tuple[str, ...]
+    bytes_per_block: int  # what one block id costs this group: the sum of its layers' pages
+    blocks_per_request: int  # blocks one max_model_len request needs in this group
+
+
+@dataclass(frozen=True)
+class MemoryCheck:
+    """``get_kv_cache_configs`` + ``_check_enough_kv_cache_memory`` for one worker."""
+
+    bytes_per_block: int
+    num_blocks: int  # available // bytes_per_block, or the override; includes the null block
+    needed_bytes: int  # bytes_per_block * sum of blocks_per_request over groups
+    available_bytes: int  # what the check sees: available - bytes_per_block (null block)
+    admission: str  # "ok" or vLLM's exact error text
+    max_model_len_estimate: int  # largest max_model_len that fits `available_bytes` (0: none)
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    """Everything a backend decides about one scenario, as plain values."""
+
+    scenario: str
+    unify_policy: str
+    block_size: int
+    kernel_block_size: int
+    kernel_blocks_per_block: int
+    attn_bytes_per_token_per_layer: int
+    indexer_bytes_per_token_per_layer: int
+    state_bytes_per_layer: int
+    page_size_bytes: int
+    state_padding_pct: float
+    kv_cache_groups: int
+    group_size: int
+    bytes_per_block: int
+    kv_bytes_per_token: int
+    blocks_per_request: int
+    num_blocks: int
+    max_concurrency: float
+    one_sequence_tokens: int
+    one_sequence_bytes: int
+    needed_bytes: int
+    available_bytes: int
+    admission: str
+    max_model_len_estimate: int
+    group_kinds: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["group_kinds"] = list(self.group_kinds)
+        return d
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))

@@ -1,0 +1,81 @@
+"""Hybrid attention + state block-size alignment.
+
+Mirrors ``Platform._align_hybrid_block_size`` (vllm/platforms/interface.py, vLLM 0.33.0):
+the attention block grows to the smallest multiple of the kernel alignment whose page
+covers the state page, and the state page is padded up to that attention page.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..model import HybridAlignment
+from ..scenario import Scenario
+from .attention import attention_bytes_per_token, attention_spec
+from .mamba import state_page_bytes
+from .specs import cdiv
+
+#: vLLM's floor for the attention block of an MLA hybrid (``if use_mla: k = max(k, 128)``).
+MLA_MIN_BLOCK_ALIGNMENT = 128
+
+
+def align_hybrid_block_size(
+    attn_page_bytes_per_token: int,
+    state_page_bytes: int,
+    *,
+    kernel_block_alignment: int = 16,
+    block_size: int = 16,
+    use_mla: bool = False,
+    extra_block_alignment: int = 1,
+) -> HybridAlignment:
+    """``_align_hybrid_block_size`` on plain numbers.
+
+    ``k = max(kernel_block_alignment, block_size)`` (128 at least for MLA; lcm'd with the
+    prefill checkpoint alignment in align mode), ``attn_bs = k * cdiv(state, k * a1)``,
+    rounded up to the kernel alignment, never below ``block_size``. vLLM 0.33 and
+    vllm-metal today align to 16; vllm-metal before its PR #262 hard-coded 32.
+    """
+    if attn_page_bytes_per_token <= 0 or state_page_bytes < 0:
+        raise ValueError("attention page per token must be > 0 and the state page >= 0")
+    a1, state = attn_page_bytes_per_token, state_page_bytes
+    if state == 0:
+        page = block_size * a1
+        return HybridAlignment(block_size, a1, 0, page, None, 0.0)
+    k = max(kernel_block_alignment, block_size)
+    if use_mla:
+        k = max(k, MLA_MIN_BLOCK_ALIGNMENT)
+    k = math.lcm(k, extra_block_alignment)
+    attn_bs = k * cdiv(state, k * a1)
+    attn_bs = kernel_block_alignment * cdiv(attn_bs, kernel_block_alignment)
+    new_block = max(block_size, attn_bs)
+    page = new_block * a1
+    assert page >= state
+    return HybridAlignment(
+        block_size=new_block, attn_page_bytes_per_token=a1, state_page_bytes=state,
+        page_size_bytes=page, state_page_padded_bytes=None if page == state else page,
+        min_block_size=state / a1,
+    )  # fmt: skip
+
+
+def hybrid_alignment(scenario: Scenario) -> HybridAlignment | None:
+    """The alignment vLLM applies to a model-level hybrid scenario; None if not hybrid.
+
+    The attention page is the real per-token page of one layer, packed formats included
+    (for MLA ``fp8_ds_mla`` that is 656 B; vLLM 0.33's planner prices 576, notes B.2).
+    """
+    model, rt = scenario.model, scenario.runtime
+    if model is None or not model.is_hybrid:
+        return None
+    assert model.attention is not None
+    spec = attention_spec(
+        model.attention, kind="full_attention", block_size=1, kv_cache_dtype=rt.kv_cache_dtype,
+        model_dtype=model.dtype, tensor_parallel_size=rt.tensor_parallel_size,
+    )  # fmt: skip
+    return align_hybrid_block_size(
+        attention_bytes_per_token(spec),
+        state_page_bytes(scenario),
+        kernel_block_alignment=rt.kernel_block_alignment,
+        block_size=rt.block_size,
+        use_mla=model.use_mla,
+        extra_block_alignment=rt.extra_block_alignment if rt.mamba_cache_mode == "align" else 1,
+    )

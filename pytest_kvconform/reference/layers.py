@@ -1,0 +1,63 @@
+"""From a scenario to the per-layer specs the worker reports (``get_kv_cache_spec``).
+
+Model-level scenarios go through the hybrid alignment first (``hybrid.py``): attention
+layers take the aligned block size, state layers the padded page; their block size is
+``mamba_block_size``, which vLLM sets to ``max_model_len`` in ``none`` mode and to the
+attention block in ``align`` mode (``MambaModelConfig.verify_and_update_config``).
+"""
+
+from __future__ import annotations
+
+from ..model import HybridAlignment
+from ..scenario import Scenario
+from .attention import attention_spec, indexer_spec
+from .mamba import state_spec
+from .specs import AttentionSpec, KVCacheSpec, MambaSpec
+
+_ATTENTION_KIND = {"A": "full_attention", "P": "full_attention", "S": "sliding_window",
+                   "L": "chunked_local", "X": "cross_attention"}  # fmt: skip
+
+
+def layer_specs(scenario: Scenario, alignment: HybridAlignment | None = None) -> dict[str, KVCacheSpec]:
+    """Layer name -> spec, in layer order (names as vLLM's ``model.layers.{i}.*`` prefixes)."""
+    if scenario.is_spec_level:
+        return _spec_level(scenario)
+    model, rt = scenario.model, scenario.runtime
+    assert model is not None
+    block = alignment.block_size if alignment is not None else rt.block_size
+    padded = alignment.state_page_padded_bytes if alignment is not None else None
+    mamba_block = block if rt.mamba_cache_mode == "align" else rt.max_model_len
+    specs: dict[str, KVCacheSpec] = {}
+    attn = model.attention
+    for i, code in enumerate(model.layers):
+        if code in _ATTENTION_KIND:
+            assert attn is not None
+            specs[f"model.layers.{i}.self_attn"] = attention_spec(
+                attn, kind=_ATTENTION_KIND[code], block_size=block, kv_cache_dtype=rt.kv_cache_dtype,
+                model_dtype=model.dtype, tensor_parallel_size=rt.tensor_parallel_size,
+            )  # fmt: skip
+            if attn.indexer_head_dim and (attn.indexer_layers is None or attn.indexer_layers[i] == "I"):
+                specs[f"model.layers.{i}.indexer"] = indexer_spec(attn, block_size=block)
+        if code in "MP":
+            specs[f"model.layers.{i}.mixer"] = state_spec(scenario, block_size=mamba_block, page_size_padded=padded)
+    return specs
+
+
+def _spec_level(scenario: Scenario) -> dict[str, KVCacheSpec]:
+    specs: dict[str, KVCacheSpec] = {}
+    for i, e in enumerate(scenario.layer_specs):
+        for j in range(e.count):
+            name = f"layer_specs.{i}.{j}"
+            if e.kind == "mamba":
+                specs[name] = MambaSpec(
+                    block_size=e.block_size, shapes=e.shapes, dtypes=e.dtypes,
+                    num_speculative_blocks=e.num_speculative_blocks,
+                )  # fmt: skip
+            else:
+                specs[name] = AttentionSpec(
+                    kind=e.kind, block_size=e.block_size, num_kv_heads=e.num_kv_heads,
+                    head_size=e.head_size, head_size_v=e.head_size_v, dtype=e.dtype,
+                    state_content_bytes=e.state_content_bytes, sliding_window=e.sliding_window,
+                    attention_chunk_size=e.attention_chunk_size,
+                )  # fmt: skip
+    return specs

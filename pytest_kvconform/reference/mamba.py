@@ -1,0 +1,81 @@
+"""State pages of Mamba-1, Mamba-2, GDN, KDA and short-conv layers.
+
+Mirrors ``MambaStateShapeCalculator`` and ``MambaStateDtypeCalculator``
+(vllm/model_executor/layers/mamba/mamba_utils.py) and ``MambaBase.get_kv_cache_spec``
+(mamba/abstract.py) of vLLM 0.33.0. The conv state keeps the default "SD" orientation
+``(rows, dim)``; "DS" has the same bytes.
+"""
+
+from __future__ import annotations
+
+from ..scenario import Scenario, StateGeometry
+from .dtypes import mamba_dtypes
+from .specs import MambaSpec
+
+Shapes = tuple[tuple[int, ...], ...]
+
+
+def divide(numerator: int, denominator: int) -> int:
+    """``vllm.distributed.utils.divide``: exact division or an error naming both numbers."""
+    if numerator % denominator != 0:
+        raise ValueError(f"{numerator} is not divisible by {denominator}")
+    return numerator // denominator
+
+
+def extra_groups_for_head_shards(n_groups: int, tp: int) -> int:
+    """``extra_groups_for_head_shards``: groups added so each TP rank holds whole groups.
+
+    Like vLLM it assumes ``n_groups < tp`` or ``n_groups % tp == 0``; for other inputs it
+    returns vLLM's (negative) value unchanged.
+    """
+    return 0 if n_groups % tp == 0 else tp - n_groups
+
+
+def state_shapes(state: StateGeometry, tp: int = 1, num_spec: int = 0) -> Shapes:
+    """Per-layer state tensor shapes (``MambaStateShapeCalculator.<kind>_state_shape``)."""
+    rows = state.conv_kernel - 1 + num_spec
+    if state.kind == "mamba1":
+        inner = divide(state.intermediate_size, tp)
+        return ((state.conv_kernel - 1, inner), (inner, state.d_state))  # no speculative rows
+    if state.kind == "mamba2":
+        groups = state.n_groups + extra_groups_for_head_shards(state.n_groups, tp)
+        conv_dim = state.intermediate_size + 2 * groups * state.d_state
+        return ((rows, divide(conv_dim, tp)), (divide(state.n_heads, tp), state.head_dim, state.d_state))
+    if state.kind == "gdn":
+        conv_dim = state.key_head_dim * state.num_key_heads * 2 + state.value_head_dim * state.num_value_heads
+        return (
+            (rows, divide(conv_dim, tp)),
+            (divide(state.num_value_heads, tp), state.value_head_dim, state.key_head_dim),
+        )
+    if state.kind == "kda":
+        conv_dim = 3 * state.num_heads * state.head_dim
+        return ((rows, divide(conv_dim, tp)), (divide(state.num_heads, tp), state.head_dim, state.head_dim))
+    if state.kind == "short_conv":
+        return ((rows, divide(state.conv_dim, tp)),)
+    raise ValueError(f"unknown state kind {state.kind!r}")
+
+
+def state_spec(scenario: Scenario, *, block_size: int, page_size_padded: int | None = None) -> MambaSpec:
+    """The ``MambaSpec`` one state layer reports (``MambaBase.get_kv_cache_spec``).
+
+    Mamba-2 mixers export one prefill checkpoint block (``MambaMixer2``); speculative
+    tokens add conv rows and ``num_speculative_blocks`` pages.
+    """
+    model, rt = scenario.model, scenario.runtime
+    assert model is not None and model.state is not None
+    state = model.state
+    shapes = state_shapes(state, rt.tensor_parallel_size, rt.num_speculative_tokens)
+    conv, ssm = mamba_dtypes(
+        state.kind, model.dtype, rt.mamba_cache_dtype, rt.mamba_ssm_cache_dtype, state.ssm_dtype
+    )
+    dtypes = (conv,) if state.kind == "short_conv" else (conv, ssm)
+    return MambaSpec(
+        block_size=block_size, shapes=shapes, dtypes=dtypes, page_size_padded=page_size_padded,
+        mamba_type=state.kind, num_speculative_blocks=rt.num_speculative_tokens,
+        num_prefill_checkpoint_blocks=1 if state.kind == "mamba2" else 0,
+    )  # fmt: skip
+
+
+def state_page_bytes(scenario: Scenario) -> int:
+    """Unpadded state page of one layer (``MambaSpec.page_size_bytes`` without padding)."""
+    return state_spec(scenario, block_size=scenario.runtime.max_model_len).real_page_size_bytes

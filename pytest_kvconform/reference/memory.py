@@ -1,0 +1,122 @@
+"""Pool planning: bytes per block, num_blocks, the null block, admission and the estimate.
+
+Mirrors ``get_kv_cache_configs``, ``_check_enough_kv_cache_memory``,
+``_estimate_max_model_len_from_groups`` (v1/core/kv_cache_planning.py in vLLM 0.33.0),
+``BlockPool`` (v1/core/block_pool.py: block 0 is the null block),
+``get_max_concurrency_for_kv_cache_config`` (v1/core/kv_cache_utils.py) and
+``format_gib`` (vllm/utils/mem_utils.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from ..model import MemoryCheck
+from ..scenario import RuntimeSettings
+from .grouping import GroupSpec
+
+NO_MEMORY_ERROR = (
+    "No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when "
+    "initializing the engine (this flag also controls CPU memory reservation on the CPU backend, "
+    "despite its name). See https://docs.vllm.ai/en/latest/configuration/conserving_memory/ "
+    "for more details."
+)
+
+
+def format_gib(num_bytes: int) -> str:
+    """``format_gib``: GiB rounded to two decimals by ``round`` (so ``1.0``, not ``1.00``)."""
+    return f"{round(num_bytes / 2**30, 2)}"
+
+
+def not_enough_memory_error(max_model_len: int, needed: int, available: int, estimate: int) -> str:
+    """The exact text of ``_check_enough_kv_cache_memory`` (unbalanced "(" included)."""
+    estimate_msg = (
+        f"Based on the available memory, the estimated maximum model length is {estimate}. "
+        if estimate > 0
+        else ""
+    )
+    return (
+        f"To serve at least one request with the model's max seq len ({max_model_len}), "
+        f"({format_gib(needed)} GiB KV cache is needed, which is larger than the available KV "
+        f"cache memory ({format_gib(available)} GiB). {estimate_msg}Try increasing "
+        "`gpu_memory_utilization` (which also controls CPU memory on the CPU backend) or decreasing "
+        "`max_model_len` when initializing the engine. See "
+        "https://docs.vllm.ai/en/latest/configuration/conserving_memory/ for more details."
+    )
+
+
+def bytes_per_block(groups: Sequence[GroupSpec]) -> int:
+    """``max`` over groups of the bytes one block id costs (layer-outer layout)."""
+    return max((g.bytes_per_block for g in groups), default=0)
+
+
+def blocks_per_request(groups: Sequence[GroupSpec], rt: RuntimeSettings) -> int:
+    """Blocks one request at ``rt.max_model_len`` needs, summed over groups."""
+    return sum(g.blocks_per_request(rt) for g in groups)
+
+
+def needed_bytes(groups: Sequence[GroupSpec], rt: RuntimeSettings) -> int:
+    """``_max_memory_usage_bytes_from_groups``: ``bytes_per_block * sum(blocks per group)``."""
+    return bytes_per_block(groups) * blocks_per_request(groups, rt)
+
+
+def estimate_max_model_len(groups: Sequence[GroupSpec], rt: RuntimeSettings, available: int) -> int:
+    """Binary search over ``[1, max_model_len]`` for the longest length that fits ``available``.
+
+    Returns 0 when not even one token fits (``_estimate_max_model_len_from_groups``).
+    """
+
+    def fits(length: int) -> bool:
+        return needed_bytes(groups, dataclasses.replace(rt, max_model_len=length)) <= available
+
+    lo, hi = 1, rt.max_model_len
+    if not fits(lo):
+        return 0
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def available_kv_bytes(groups: Sequence[GroupSpec], rt: RuntimeSettings) -> int:
+    """Bytes the pool may use: ``kv_cache_memory_bytes``, or ``override * bytes_per_block``."""
+    if rt.num_gpu_blocks_override is not None:
+        return rt.num_gpu_blocks_override * bytes_per_block(groups)
+    return rt.kv_cache_memory_bytes
+
+
+def check_memory(groups: Sequence[GroupSpec], rt: RuntimeSettings) -> MemoryCheck:
+    """Plan one worker's pool and run the admission check.
+
+    ``num_blocks = available // bytes_per_block`` counts the null block; the check sees
+    ``available - bytes_per_block`` (vLLM 0.33 reserves the null block there) and passes
+    when ``needed <= check``.
+    """
+    bpb = bytes_per_block(groups)
+    if bpb == 0:
+        raise ValueError("no KV cache groups: nothing to plan")
+    available = available_kv_bytes(groups, rt)
+    check = available - bpb
+    needed = needed_bytes(groups, rt)
+    estimate = estimate_max_model_len(groups, rt, check) if check > 0 else 0
+    if check <= 0:
+        admission = NO_MEMORY_ERROR
+    elif needed > check:
+        admission = not_enough_memory_error(rt.max_model_len, needed, check, estimate)
+    else:
+        admission = "ok"
+    return MemoryCheck(
+        bytes_per_block=bpb, num_blocks=available // bpb, needed_bytes=needed, available_bytes=check,
+        admission=admission, max_model_len_estimate=estimate,
+    )  # fmt: skip
+
+
+def max_concurrency(num_blocks: int, groups: Sequence[GroupSpec], rt: RuntimeSettings) -> float:
+    """``get_max_concurrency_for_kv_cache_config``: ``num_blocks / blocks per request``
+    (the null block included in ``num_blocks``, as vLLM does)."""
+    per_request = blocks_per_request(groups, rt)
+    return num_blocks / per_request if per_request else 0.0

@@ -1,0 +1,114 @@
+"""The sizing rules vllm-metal computes itself (vllm-project/vllm-metal @ 211a1e4).
+
+* ``_pick_kernel_block_size`` / ``_build_block_tables`` (attention/impls/sdpa.py): the Metal
+  kernel has block sizes 8, 16 and 32 only; a larger logical block is split into
+  ``block_size // kernel_block`` kernel blocks (PR #235).
+* ``estimate_one_sequence_kv_bytes`` (v1/cache_policy.py): the bytes one max-length sequence
+  needs, over the block-aligned token count (PR #229), MLA at one latent (PR #233), GDN
+  recurrent state in fp32 (PR #243), padded state pages when set (PR #575).
+* ``turboquant_page_size_bytes`` (v1/cache_policy.py): vllm-metal's own TurboQuant page,
+  which differs from vLLM's ``slot_size_aligned`` packing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..scenario import Scenario
+from .dtypes import DTYPE_SIZE, mamba_dtypes
+from .mamba import state_shapes
+from .specs import cdiv
+
+KERNEL_BLOCK_SIZES = (32, 16, 8)
+
+#: vllm-metal ``QUANT_PARAMS`` / ``V_QUANT_PARAMS`` bits (attention/caches/turboquant.py).
+METAL_K_QUANT_BITS = {"q8_0": 8, "int8": 8, "uint8": 8, "q5_0": 5, "q4_0": 4, "int4": 4, "uint4": 4,
+                      "int2": 2, "uint2": 2}  # fmt: skip
+METAL_V_QUANT_BITS = {"q2_0": 2, "q3_0": 3, "q4_0": 4, "q5_0": 5, "q8_0": 8}
+METAL_TQ_SCALE_GROUP = 32
+
+
+def pick_kernel_block_size(cache_block_size: int) -> int:
+    """``_pick_kernel_block_size``: the largest of 32, 16, 8 that divides the cache block."""
+    for kbs in KERNEL_BLOCK_SIZES:
+        if cache_block_size % kbs == 0:
+            return kbs
+    raise ValueError(
+        f"Cache block_size={cache_block_size} is not divisible by any supported kernel block size "
+        f"{KERNEL_BLOCK_SIZES}. Adjust --block-size (must be a multiple of 8)."
+    )
+
+
+def build_block_tables(rows: Sequence[Sequence[int]], cache_block_size: int) -> tuple[list[list[int]], int]:
+    """``_build_block_tables``: zero-pad the rows, then expand block ``b`` to
+    ``b * ratio + [0, ratio)`` kernel blocks. Returns ``(table, kernel_block_size)``."""
+    if not rows:
+        return [], cache_block_size
+    width = max(len(r) for r in rows)
+    padded = [list(r) + [0] * (width - len(r)) for r in rows]
+    if cache_block_size in KERNEL_BLOCK_SIZES:
+        return padded, cache_block_size
+    kernel = pick_kernel_block_size(cache_block_size)
+    ratio = cache_block_size // kernel
+    return [[b * ratio + j for b in row for j in range(ratio)] for row in padded], kernel
+
+
+def one_sequence_tokens(max_model_len: int, block_size: int) -> int:
+    """Tokens the scheduler reserves for one sequence: ``cdiv(max_model_len, bs) * bs``."""
+    return cdiv(max_model_len, block_size) * block_size
+
+
+def linear_cache_bytes_per_slot(scenario: Scenario) -> int:
+    """One state layer's slot on Metal: conv state in its dtype, recurrent state in fp32."""
+    model, rt = scenario.model, scenario.runtime
+    assert model is not None and model.state is not None
+    shapes = state_shapes(model.state, 1, rt.num_speculative_tokens)
+    conv_dtype, _ = mamba_dtypes(model.state.kind, model.dtype, rt.mamba_cache_dtype, "float32")
+    conv = shapes[0][0] * shapes[0][1] * DTYPE_SIZE[conv_dtype]
+    recurrent = 0
+    for shape in shapes[1:]:
+        n = 1
+        for d in shape:
+            n *= d
+        recurrent += n * DTYPE_SIZE["float32"]
+    return conv + recurrent
+
+
+def one_sequence_kv_bytes(scenario: Scenario, block_size: int, state_page_padded: int | None = None) -> int:
+    """``estimate_one_sequence_kv_bytes``: KV of one max-length sequence plus its state.
+
+    Attention layers store the model dtype (vllm-metal never reads ``--kv-cache-dtype``):
+    K and V of every KV head, or one latent for MLA. Each state layer adds its padded page
+    when the hybrid alignment padded it, else its fp32-recurrent slot.
+    """
+    model, rt = scenario.model, scenario.runtime
+    if model is None:
+        raise ValueError(f"{scenario.name}: the one-sequence estimate needs a model-level scenario")
+    tokens = one_sequence_tokens(rt.max_model_len, block_size)
+    attn = model.attention
+    per_token = 0
+    if attn is not None:
+        if attn.kind == "mla":
+            per_token = attn.kv_lora_rank + attn.qk_rope_head_dim
+        else:
+            dv = attn.head_dim if attn.head_dim_v is None else attn.head_dim_v
+            per_token = attn.num_kv_heads * (attn.head_dim + dv)
+    total = model.num_attention_layers * tokens * per_token * DTYPE_SIZE[model.dtype]
+    if model.num_state_layers:
+        slot = state_page_padded if state_page_padded is not None else linear_cache_bytes_per_slot(scenario)
+        total += model.num_state_layers * slot
+    return total
+
+
+def metal_turboquant_page_size_bytes(
+    block_size: int, num_kv_heads: int, head_dim: int, k_quant: str, v_quant: str
+) -> int:
+    """vllm-metal ``turboquant_page_size_bytes``: bit-packed K and V plus three fp16 scale rows
+    (K scale, V scale, K zero) per 32-element group."""
+    k_bits, v_bits = METAL_K_QUANT_BITS[k_quant], METAL_V_QUANT_BITS[v_quant]
+    for bits in (k_bits, v_bits):
+        if head_dim * bits % 8:
+            raise ValueError(f"head_dim={head_dim} at {bits} bits is not byte aligned")
+    kv = block_size * num_kv_heads * (head_dim * k_bits // 8 + head_dim * v_bits // 8)
+    scales = 3 * block_size * num_kv_heads * (head_dim // METAL_TQ_SCALE_GROUP) * 2
+    return kv + scales

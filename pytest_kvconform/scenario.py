@@ -1,0 +1,499 @@
+"""The neutral scenario model and its ``kv-scenario/1`` TOML loader.
+
+A :class:`Scenario` holds the KV-relevant architecture of one model plus the runtime
+settings it is served with. It imports only the standard library.
+
+Two forms are accepted (see ``docs/scenario-format.md``):
+
+* the *model-level* form: ``[model]`` with a layer string, ``[model.attention]`` and
+  ``[model.state]`` geometry, which the reference turns into per-layer specs;
+* the *spec-level* form: ``[[layer_specs]]`` tables with explicit per-layer geometry
+  (block size, heads, dtype, shapes, packed bytes), for probes that no real config
+  produces, such as the TurboQuant LCM case of vllm#40128.
+
+Every problem in a file raises :class:`ScenarioError`, which names the file, the key
+and what was expected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+SCHEMA = "kv-scenario/1"
+
+#: One character per decoder layer in ``[model].layers``.
+LAYER_CODES = {
+    "A": "full attention (K+V, or the MLA latent)",
+    "S": "sliding-window attention ([model.attention].sliding_window)",
+    "L": "chunked local attention ([model.attention].attention_chunk_size)",
+    "X": "cross attention (reserves max_num_batched_tokens)",
+    "M": "state layer ([model.state])",
+    "P": "attention and state in the same layer (parallel hybrid)",
+    "-": "no per-request cache (MLP/MoE only)",
+}
+ATTENTION_KINDS = ("gqa", "mla")
+STATE_KINDS = ("mamba1", "mamba2", "gdn", "kda", "short_conv")
+#: ``kv_cache_dtype`` strings of vLLM 0.33 (``vllm/config/cache.py``, ``CacheDType``).
+KV_CACHE_DTYPES = (
+    "auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla",
+    "nvfp4_ds_mla", "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc",
+    "turboquant_3bit_nc", "octave_k3v4", "octave_k3v3", "octave_k3v3_compact",
+    "ultraquant_4bit", "int4_per_token_head", "int8_per_token_head", "fp8_per_token_head",
+    "nvfp4", "nvfp4_4over6",
+)  # fmt: skip
+MODEL_DTYPES = ("float16", "bfloat16", "float32")
+#: ``MambaDType`` of vLLM 0.33.
+MAMBA_DTYPES = ("auto", "float16", "bfloat16", "float32")
+MAMBA_CACHE_MODES = ("none", "align")
+#: Page-size unification policies (``reference/unify.py``).
+UNIFY_POLICIES = ("pad-to-max", "scale-only", "lcm")
+SPEC_KINDS = ("full_attention", "sliding_window", "chunked_local", "cross_attention", "mla", "mamba")
+#: torch dtype names a spec-level layer may use, with their element sizes.
+SPEC_DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2, "uint8": 1, "int8": 1, "float8_e4m3fn": 1}
+
+
+class ScenarioError(ValueError):
+    """A scenario file or value is malformed; the message names the file and the key."""
+
+    def __init__(self, source: str, key: str, problem: str) -> None:
+        self.source, self.key, self.problem = source, key, problem
+        super().__init__(f"{source}: {key}: {problem}")
+
+
+@dataclass(frozen=True)
+class AttentionGeometry:
+    """``[model.attention]``: the per-layer attention geometry (one for the whole model)."""
+
+    kind: str = "gqa"
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    head_dim_v: int | None = None
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    indexer_head_dim: int = 0
+    indexer_layers: str | None = None
+    sliding_window: int | None = None
+    attention_chunk_size: int | None = None
+    num_attention_heads: int = 0  # query heads; only the Metal runtime needs them
+
+
+@dataclass(frozen=True)
+class StateGeometry:
+    """``[model.state]``: Mamba/GDN/KDA/short-conv geometry, in the config's own terms."""
+
+    kind: str
+    conv_kernel: int
+    ssm_dtype: str = "auto"
+    intermediate_size: int = 0  # mamba1, mamba2
+    n_groups: int = 0  # mamba2
+    n_heads: int = 0  # mamba2
+    head_dim: int = 0  # mamba2, kda
+    d_state: int = 0  # mamba1, mamba2
+    num_key_heads: int = 0  # gdn
+    num_value_heads: int = 0  # gdn
+    key_head_dim: int = 0  # gdn
+    value_head_dim: int = 0  # gdn
+    num_heads: int = 0  # kda
+    conv_dim: int = 0  # short_conv
+
+
+@dataclass(frozen=True)
+class ModelGeometry:
+    """``[model]``: what vLLM would read from the HF config."""
+
+    architecture: str
+    dtype: str
+    num_hidden_layers: int
+    layers: str
+    attention: AttentionGeometry | None = None
+    state: StateGeometry | None = None
+    hf_id: str = ""
+    sources: tuple[str, ...] = ()
+    confidence: str = ""
+    notes: str = ""
+
+    @property
+    def num_attention_layers(self) -> int:
+        return sum(c in "ASLXP" for c in self.layers)
+
+    @property
+    def num_state_layers(self) -> int:
+        return sum(c in "MP" for c in self.layers)
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self.num_state_layers > 0 and self.num_attention_layers > 0
+
+    @property
+    def use_mla(self) -> bool:
+        return self.attention is not None and self.attention.kind == "mla"
+
+
+@dataclass(frozen=True)
+class LayerSpecEntry:
+    """One ``[[layer_specs]]`` table of the spec-level form (``count`` identical layers)."""
+
+    kind: str
+    count: int = 1
+    block_size: int = 16
+    num_kv_heads: int = 1
+    head_size: int = 0
+    head_size_v: int | None = None
+    dtype: str = "bfloat16"
+    state_content_bytes: int | None = None
+    sliding_window: int | None = None
+    attention_chunk_size: int | None = None
+    shapes: tuple[tuple[int, ...], ...] = ()
+    dtypes: tuple[str, ...] = ()
+    num_speculative_blocks: int = 0
+
+
+@dataclass(frozen=True)
+class RuntimeSettings:
+    """``[runtime]``: what the server is started with."""
+
+    max_model_len: int = 4096
+    tensor_parallel_size: int = 1
+    block_size: int = 16
+    user_specified_block_size: bool = False
+    kernel_block_alignment: int = 16
+    extra_block_alignment: int = 1
+    kv_cache_dtype: str = "auto"
+    mamba_cache_dtype: str = "auto"
+    mamba_ssm_cache_dtype: str = "auto"
+    mamba_cache_mode: str = "none"
+    num_speculative_tokens: int = 0
+    kv_cache_memory_bytes: int = 8 << 30
+    num_gpu_blocks_override: int | None = None
+    max_num_batched_tokens: int = 2048
+    max_concurrent_batches: int = 1
+    unify_policy: str = "pad-to-max"
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One (model, runtime) pair, plus what the harness must reproduce."""
+
+    name: str
+    runtime: RuntimeSettings
+    model: ModelGeometry | None = None
+    layer_specs: tuple[LayerSpecEntry, ...] = ()
+    expect: Mapping[str, Any] = field(default_factory=dict)
+    expect_external: Mapping[str, Any] = field(default_factory=dict)
+    source: str = "<scenario>"
+
+    @property
+    def is_spec_level(self) -> bool:
+        return self.model is None
+
+    def with_runtime(self, **changes: Any) -> Scenario:
+        """A copy with runtime settings changed (``kvconform plan --set``); validated."""
+        runtime = dataclasses.replace(self.runtime, **changes)
+        _check_runtime(runtime, self.source)
+        return dataclasses.replace(self, runtime=runtime, expect={}, expect_external={})
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def packaged_scenario_names() -> list[str]:
+    """Names (file stems) of the scenarios shipped in ``pytest_kvconform/scenarios``."""
+    root = resources.files("pytest_kvconform") / "scenarios"
+    return sorted(p.name[: -len(".toml")] for p in root.iterdir() if p.name.endswith(".toml"))
+
+
+def load_scenario(name_or_path: str | Path) -> Scenario:
+    """Load a packaged scenario by name (``granite-4.0-h-tiny``) or a TOML file by path."""
+    path = Path(name_or_path)
+    if path.suffix != ".toml" and not path.exists():
+        root = resources.files("pytest_kvconform") / "scenarios"
+        candidate = root / f"{name_or_path}.toml"
+        if not candidate.is_file():
+            raise ScenarioError(
+                str(name_or_path),
+                "name",
+                "not a file and not a packaged scenario; packaged: "
+                + ", ".join(packaged_scenario_names()),
+            )
+        return parse_scenario(candidate.read_text(encoding="utf-8"), f"{name_or_path}.toml")
+    if not path.is_file():
+        raise ScenarioError(str(path), "path", "no such file")
+    return parse_scenario(path.read_text(encoding="utf-8"), str(path))
+
+
+def parse_scenario(text: str, source: str = "<string>") -> Scenario:
+    """Parse and validate ``kv-scenario/1`` TOML text."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ScenarioError(source, "<toml>", f"not valid TOML ({exc})") from None
+    return scenario_from_dict(data, source)
+
+
+def scenario_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Scenario:
+    """Build a validated :class:`Scenario` from already-parsed TOML tables."""
+    r = _Reader(data, source, "")
+    schema = r.str("schema")
+    if schema != SCHEMA:
+        raise ScenarioError(source, "schema", f"expected {SCHEMA!r}, got {schema!r}")
+    name = r.str("name")
+    r.done(allowed={"schema", "name", "model", "runtime", "layer_specs", "expect"})
+    if ("model" in data) == ("layer_specs" in data):
+        raise ScenarioError(source, "model", "expected exactly one of [model] or [[layer_specs]]")
+    model = _read_model(r.table("model"), source) if "model" in data else None
+    specs = _read_layer_specs(data["layer_specs"], source) if "layer_specs" in data else ()
+    runtime = _read_runtime(r.table("runtime", required=False), source)
+    expect = dict(r.table("expect", required=False).data)
+    external = expect.pop("external", {})
+    if not isinstance(external, Mapping):
+        raise ScenarioError(source, "expect.external", "expected a table")
+    if model is not None and model.is_hybrid is False and model.num_attention_layers == 0:
+        raise ScenarioError(source, "model.layers", "expected at least one attention layer")
+    return Scenario(
+        name=name, runtime=runtime, model=model, layer_specs=specs,
+        expect=expect, expect_external=dict(external), source=source,
+    )  # fmt: skip
+
+
+class _Reader:
+    """Typed access to one TOML table; every error names ``source`` and the dotted key."""
+
+    def __init__(self, data: Any, source: str, prefix: str) -> None:
+        if not isinstance(data, Mapping):
+            raise ScenarioError(source, prefix or "<root>", "expected a table")
+        self.data, self.source, self.prefix = data, source, prefix
+
+    def key(self, k: str) -> str:
+        return f"{self.prefix}.{k}" if self.prefix else k
+
+    def fail(self, k: str, problem: str) -> ScenarioError:
+        return ScenarioError(self.source, self.key(k), problem)
+
+    def _get(self, k: str, kind: type | tuple[type, ...], what: str, default: Any) -> Any:
+        if k not in self.data:
+            if default is _REQUIRED:
+                raise self.fail(k, f"missing; expected {what}")
+            return default
+        v = self.data[k]
+        if isinstance(v, bool) and kind is not bool or not isinstance(v, kind):
+            raise self.fail(k, f"expected {what}, got {type(v).__name__} {v!r}")
+        return v
+
+    def str(self, k: str, default: Any = None, choices: tuple[str, ...] = ()) -> Any:
+        if default is None:
+            default = _REQUIRED
+        v = self._get(k, str, "a string", default)
+        if choices and v not in choices:
+            raise self.fail(k, f"expected one of {', '.join(choices)}; got {v!r}")
+        return v
+
+    def int(self, k: str, default: Any = None, minimum: int = 1) -> Any:
+        v = self._get(k, int, "an integer", _REQUIRED if default is None else default)
+        if v is not None and v < minimum:
+            raise self.fail(k, f"expected an integer >= {minimum}, got {v}")
+        return v
+
+    def opt_int(self, k: str, minimum: int = 1) -> int | None:
+        return self.int(k, default=_OPTIONAL, minimum=minimum) if k in self.data else None
+
+    def bool(self, k: str, default: bool) -> bool:
+        return self._get(k, bool, "true or false", default)
+
+    def table(self, k: str, required: bool = True) -> _Reader:
+        if k not in self.data:
+            if required:
+                raise self.fail(k, "missing; expected a table")
+            return _Reader({}, self.source, self.key(k))
+        return _Reader(self.data[k], self.source, self.key(k))
+
+    def done(self, allowed: set[str]) -> None:
+        for k in self.data:
+            if k not in allowed:
+                raise self.fail(k, "unknown key; expected one of " + ", ".join(sorted(allowed)))
+
+
+_REQUIRED = object()
+_OPTIONAL = None
+
+
+def _read_model(r: _Reader, source: str) -> ModelGeometry:
+    r.done(
+        allowed={"hf_id", "architecture", "dtype", "num_hidden_layers", "layers", "sources",
+                 "confidence", "notes", "attention", "state"}
+    )  # fmt: skip
+    n = r.int("num_hidden_layers")
+    layers = r.str("layers")
+    if len(layers) != n:
+        raise r.fail("layers", f"expected {n} characters (num_hidden_layers), got {len(layers)}")
+    bad = sorted(set(layers) - set(LAYER_CODES))
+    if bad:
+        raise r.fail("layers", f"unknown layer code(s) {''.join(bad)!r}; expected {''.join(LAYER_CODES)}")
+    sources = r.data.get("sources", [])
+    if not isinstance(sources, list) or not all(isinstance(s, str) for s in sources):
+        raise r.fail("sources", "expected a list of strings")
+    needs_attention = any(c in "ASLXP" for c in layers)
+    needs_state = any(c in "MP" for c in layers)
+    if needs_attention != ("attention" in r.data):
+        raise r.fail("attention", "expected [model.attention] exactly when layers has A/S/L/X/P")
+    if needs_state != ("state" in r.data):
+        raise r.fail("state", "expected [model.state] exactly when layers has M/P")
+    attention = _read_attention(r.table("attention"), layers) if needs_attention else None
+    state = _read_state(r.table("state")) if needs_state else None
+    return ModelGeometry(
+        architecture=r.str("architecture"),
+        dtype=r.str("dtype", choices=MODEL_DTYPES),
+        num_hidden_layers=n,
+        layers=layers,
+        attention=attention,
+        state=state,
+        hf_id=r.str("hf_id", default=""),
+        sources=tuple(sources),
+        confidence=r.str("confidence", default=""),
+        notes=r.str("notes", default=""),
+    )
+
+
+def _read_attention(r: _Reader, layers: str) -> AttentionGeometry:
+    kind = r.str("kind", choices=ATTENTION_KINDS)
+    common = {"kind", "sliding_window", "attention_chunk_size", "num_attention_heads"}
+    if kind == "gqa":
+        r.done(allowed=common | {"num_kv_heads", "head_dim", "head_dim_v"})
+        geo = AttentionGeometry(
+            kind=kind, num_kv_heads=r.int("num_kv_heads"), head_dim=r.int("head_dim"),
+            head_dim_v=r.opt_int("head_dim_v"),
+        )  # fmt: skip
+    else:
+        r.done(allowed=common | {"kv_lora_rank", "qk_rope_head_dim", "indexer_head_dim", "indexer_layers"})
+        indexer_layers = r.str("indexer_layers", default="") or None
+        if indexer_layers is not None and (
+            len(indexer_layers) != len(layers) or set(indexer_layers) - {"I", "-"}
+        ):
+            raise r.fail("indexer_layers", f"expected {len(layers)} characters of 'I' or '-'")
+        geo = AttentionGeometry(
+            kind=kind, num_kv_heads=1, kv_lora_rank=r.int("kv_lora_rank"),
+            qk_rope_head_dim=r.int("qk_rope_head_dim"),
+            indexer_head_dim=r.int("indexer_head_dim", default=0, minimum=0),
+            indexer_layers=indexer_layers,
+        )  # fmt: skip
+    window, chunk = r.opt_int("sliding_window"), r.opt_int("attention_chunk_size")
+    if "S" in layers and window is None:
+        raise r.fail("sliding_window", "missing; expected an integer >= 1 (layers has 'S')")
+    if "L" in layers and chunk is None:
+        raise r.fail("attention_chunk_size", "missing; expected an integer >= 1 (layers has 'L')")
+    return dataclasses.replace(
+        geo, sliding_window=window, attention_chunk_size=chunk,
+        num_attention_heads=r.int("num_attention_heads", default=0, minimum=0),
+    )  # fmt: skip
+
+
+_STATE_FIELDS = {
+    "mamba1": ("intermediate_size", "d_state"),
+    "mamba2": ("intermediate_size", "n_groups", "n_heads", "head_dim", "d_state"),
+    "gdn": ("num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim"),
+    "kda": ("num_heads", "head_dim"),
+    "short_conv": ("conv_dim",),
+}
+
+
+def _read_state(r: _Reader) -> StateGeometry:
+    kind = r.str("kind", choices=STATE_KINDS)
+    fields = _STATE_FIELDS[kind]
+    r.done(allowed={"kind", "conv_kernel", "ssm_dtype", *fields})
+    return StateGeometry(
+        kind=kind,
+        conv_kernel=r.int("conv_kernel"),
+        ssm_dtype=r.str("ssm_dtype", default="auto", choices=MAMBA_DTYPES),
+        **{f: r.int(f) for f in fields},
+    )
+
+
+def _read_runtime(r: _Reader, source: str) -> RuntimeSettings:
+    ints = ("max_model_len", "tensor_parallel_size", "block_size", "kernel_block_alignment",
+            "extra_block_alignment", "kv_cache_memory_bytes", "max_num_batched_tokens",
+            "max_concurrent_batches")  # fmt: skip
+    strs = _RUNTIME_CHOICES
+    r.done(allowed={*ints, *strs, "num_speculative_tokens", "num_gpu_blocks_override",
+                    "user_specified_block_size"})  # fmt: skip
+    defaults = RuntimeSettings()
+    values: dict[str, Any] = {k: r.int(k, default=getattr(defaults, k)) for k in ints}
+    values.update({k: r.str(k, default=getattr(defaults, k), choices=c) for k, c in strs.items()})
+    values["num_speculative_tokens"] = r.int("num_speculative_tokens", default=0, minimum=0)
+    values["num_gpu_blocks_override"] = r.opt_int("num_gpu_blocks_override")
+    values["user_specified_block_size"] = r.bool("user_specified_block_size", False)
+    runtime = RuntimeSettings(**values)
+    _check_runtime(runtime, source)
+    return runtime
+
+
+def _check_runtime(rt: RuntimeSettings, source: str) -> None:
+    """Validate settings, including ones changed after loading (``--set``)."""
+    for f in dataclasses.fields(rt):
+        v = getattr(rt, f.name)
+        if f.name in _RUNTIME_CHOICES:
+            if v not in _RUNTIME_CHOICES[f.name]:
+                choices = ", ".join(_RUNTIME_CHOICES[f.name])
+                raise ScenarioError(source, f"runtime.{f.name}", f"expected one of {choices}; got {v!r}")
+        elif f.name == "user_specified_block_size":
+            if not isinstance(v, bool):
+                raise ScenarioError(source, f"runtime.{f.name}", f"expected true or false, got {v!r}")
+        elif v is not None or f.name != "num_gpu_blocks_override":
+            minimum = 0 if f.name == "num_speculative_tokens" else 1
+            if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+                raise ScenarioError(source, f"runtime.{f.name}", f"expected an integer >= {minimum}, got {v!r}")
+
+
+_RUNTIME_CHOICES = {
+    "kv_cache_dtype": KV_CACHE_DTYPES, "mamba_cache_dtype": MAMBA_DTYPES,
+    "mamba_ssm_cache_dtype": MAMBA_DTYPES, "mamba_cache_mode": MAMBA_CACHE_MODES,
+    "unify_policy": UNIFY_POLICIES,
+}  # fmt: skip
+
+
+def _read_layer_specs(items: Any, source: str) -> tuple[LayerSpecEntry, ...]:
+    if not isinstance(items, list) or not items:
+        raise ScenarioError(source, "layer_specs", "expected a non-empty array of tables")
+    out = []
+    for i, item in enumerate(items):
+        r = _Reader(item, source, f"layer_specs[{i}]")
+        kind = r.str("kind", choices=SPEC_KINDS)
+        count = r.int("count", default=1)
+        block_size = r.int("block_size", default=16)
+        if kind == "mamba":
+            r.done(allowed={"kind", "count", "block_size", "shapes", "dtypes", "num_speculative_blocks"})
+            shapes, dtypes = r.data.get("shapes"), r.data.get("dtypes")
+            if not (isinstance(shapes, list) and shapes and all(
+                isinstance(s, list) and s and all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in s)
+                for s in shapes
+            )):  # fmt: skip
+                raise r.fail("shapes", "expected a non-empty list of lists of positive integers")
+            if not (isinstance(dtypes, list) and len(dtypes) == len(shapes) and all(d in SPEC_DTYPES for d in dtypes)):
+                raise r.fail("dtypes", f"expected {len(shapes)} dtype names from {', '.join(SPEC_DTYPES)}")
+            out.append(LayerSpecEntry(
+                kind=kind, count=count, block_size=block_size,
+                shapes=tuple(tuple(s) for s in shapes), dtypes=tuple(dtypes),
+                num_speculative_blocks=r.int("num_speculative_blocks", default=0, minimum=0),
+            ))  # fmt: skip
+            continue
+        r.done(allowed={"kind", "count", "block_size", "num_kv_heads", "head_size", "head_size_v",
+                        "dtype", "state_content_bytes", "sliding_window", "attention_chunk_size"})  # fmt: skip
+        entry = LayerSpecEntry(
+            kind=kind, count=count, block_size=block_size,
+            num_kv_heads=r.int("num_kv_heads", default=1), head_size=r.int("head_size"),
+            head_size_v=r.int("head_size_v", default=_OPTIONAL, minimum=0) if "head_size_v" in r.data else None,
+            dtype=r.str("dtype", default="bfloat16", choices=tuple(SPEC_DTYPES)),
+            state_content_bytes=r.opt_int("state_content_bytes"),
+            sliding_window=r.opt_int("sliding_window"),
+            attention_chunk_size=r.opt_int("attention_chunk_size"),
+        )  # fmt: skip
+        if kind == "sliding_window" and entry.sliding_window is None:
+            raise r.fail("sliding_window", "missing; expected an integer >= 1 for kind sliding_window")
+        if kind == "chunked_local" and entry.attention_chunk_size is None:
+            raise r.fail("attention_chunk_size", "missing; expected an integer >= 1 for kind chunked_local")
+        out.append(entry)
+    return tuple(out)

