@@ -1,0 +1,1 @@
+"""Backends: adapters checked against the reference (reference, vllm, metal, third-party)."""

