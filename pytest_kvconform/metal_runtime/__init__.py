@@ -24,6 +24,9 @@ _LAZY = {
     "DTYPE_TOLERANCES": "attention",
     "KVPool": "pool",
     "PoolLayer": "pool",
+    "attention_layer": "pool",
+    "mla_layer": "pool",
+    "state_layer": "pool",
     "layers_from_scenario": "pool",
     "tune_cpu_allocator": "cpu_tuning",
 }

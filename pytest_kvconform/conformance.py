@@ -1,0 +1,87 @@
+"""Running rules on a backend and comparing them with the reference.
+
+Used by the shipped suites and by downstream repos (``check_scenario``) that want the same
+checks on their own scenario files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .backends.base import RULE_FAMILIES, ReferenceBackend
+from .scenario import Scenario, load_scenario
+
+__all__ = ["RULE_FAMILIES", "Difference", "call_rule", "check_scenario", "known_failure", "skip_if_not_provided"]
+
+
+def skip_if_not_provided(backend: Any, rule: str) -> None:
+    """Skip the current test when ``backend`` does not provide ``rule`` (with its reason)."""
+    reason = getattr(backend, "not_provided", {}).get(rule)
+    if reason is not None:
+        pytest.skip(f"backend {backend.name!r} does not provide rule {rule!r}: {reason}")
+
+
+def call_rule(backend: Any, rule: str, method: str, *args: Any, scenario: Scenario | None = None) -> Any:
+    """Call one rule method; a backend exception fails only this test, naming rule and scenario."""
+    skip_if_not_provided(backend, rule)
+    fn: Callable[..., Any] | None = getattr(backend, method, None)
+    if fn is None:
+        pytest.skip(f"backend {backend.name!r} has no method {method!r} (rule {rule!r})")
+    try:
+        return fn(*args)
+    except Exception as exc:
+        where = f" on scenario {scenario.name!r} ({scenario.source})" if scenario is not None else ""
+        pytest.fail(
+            f"[{rule}] backend {backend.name!r}.{method} raised{where}: {type(exc).__name__}: {exc}",
+            pytrace=False,
+        )
+
+
+def known_failure(backend: Any, item: pytest.Item) -> str | None:
+    """The reason a test is a known failure of ``backend`` (its ``known_failures`` data).
+
+    Keys are ``"<rule>::<test-name glob>"``, e.g. ``"hybrid_alignment::*glm-5*"``.
+    """
+    rule_marker = item.get_closest_marker("kvconform_rule")
+    rule = rule_marker.args[0] if rule_marker is not None else ""
+    for key, reason in getattr(backend, "known_failures", {}).items():
+        key_rule, _, pattern = key.partition("::")
+        if key_rule == rule and fnmatch.fnmatchcase(item.name, pattern or "*"):
+            return str(reason)
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Difference:
+    """One field where a backend's plan departs from the reference's."""
+
+    scenario: str
+    field: str
+    reference: Any
+    backend: Any
+
+    def __str__(self) -> str:
+        return f"{self.scenario}: {self.field}: reference {self.reference!r}, backend {self.backend!r}"
+
+
+def check_scenario(scenario: Scenario | str | Path, backend: Any) -> list[Difference]:
+    """Compare ``backend.plan`` with the reference's plan, field by field.
+
+    For downstream repos: ``assert not check_scenario("my-model.toml", MyBackend())``.
+    A malformed file raises :class:`~pytest_kvconform.scenario.ScenarioError`.
+    """
+    if not isinstance(scenario, Scenario):
+        scenario = load_scenario(scenario)
+    expected = ReferenceBackend().plan(scenario).to_dict()
+    got = backend.plan(scenario).to_dict()
+    return [
+        Difference(scenario.name, k, expected[k], got.get(k))
+        for k in expected
+        if expected[k] != got.get(k)
+    ]

@@ -1,0 +1,274 @@
+"""pytest hooks of pytest-kvconform: options, markers, fixtures, header and summary.
+
+Loaded through the ``pytest11`` entry point in every pytest run where the package is
+installed, so it imports only the standard library and pytest at import time; the
+reference, the backends and hypothesis are imported when a session uses them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+if TYPE_CHECKING:
+    from .scenario import Scenario
+
+ENV_BACKEND = "KVCONFORM_BACKEND"
+MARKERS = {
+    "kvconform_rule": "kvconform_rule(name): the rule family a conformance test checks",
+    "kvconform_scenario": "kvconform_scenario(*names): restrict kv_scenario to these scenarios",
+    "requires_capability": "requires_capability(name): skip unless the backend has this capability",
+    "metal": "metal: needs the MLX paged-attention runtime (skips when mlx is not installed)",
+}
+OUTCOMES = ("passed", "failed", "skipped", "xfailed")
+
+
+class KVConformSession:
+    """Per-session state, kept in ``config.stash`` (as syrupy and pytest-benchmark do)."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        self.backend_name, self.backend_origin = _selected_backend(config)
+        self._backend: Any = None
+        self.matrix: dict[str, Counter[str]] = defaultdict(Counter)
+        self.extra_scenario_paths = [Path(p) for p in config.getoption("kvconform_scenarios") or []]
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        """Count outcomes per rule family (under xdist, from the workers' replayed reports)."""
+        rule = dict(report.user_properties).get("kvconform_rule")
+        if rule is None:
+            return
+        if report.when == "call" or (report.when == "setup" and not report.passed):
+            if hasattr(report, "wasxfail"):
+                outcome = "xfailed" if report.skipped else "failed"  # an XPASS(strict) fails
+            else:
+                outcome = report.outcome
+            self.matrix[str(rule)][outcome] += 1
+
+    @property
+    def explicit(self) -> bool:
+        return self.backend_origin != "default"
+
+    @property
+    def backend(self) -> Any:
+        if self._backend is None:
+            from .backends.registry import BackendError, resolve_backend
+
+            try:
+                self._backend = resolve_backend(self.backend_name)
+            except BackendError as exc:
+                raise pytest.UsageError(f"--kvconform-backend: {exc}") from None
+        return self._backend
+
+    def scenarios(self) -> list[Scenario]:
+        """Packaged scenarios plus every ``*.toml`` under ``--kvconform-scenarios``."""
+        from .scenario import load_scenario, packaged_scenario_names
+
+        found = [load_scenario(n) for n in packaged_scenario_names()]
+        for path in self.extra_scenario_paths:
+            files = sorted(path.glob("*.toml")) if path.is_dir() else [path]
+            found.extend(load_scenario(f) for f in files)
+        return found
+
+
+session_key = pytest.StashKey[KVConformSession]()
+
+
+def _selected_backend(config: pytest.Config) -> tuple[str, str]:
+    """``--kvconform-backend``, then ini ``kvconform_backend``, then ``$KVCONFORM_BACKEND``."""
+    option = config.getoption("kvconform_backend")
+    if option:
+        return option, "option"
+    ini = config.getini("kvconform_backend")
+    if ini:
+        return ini, "ini"
+    env = os.environ.get(ENV_BACKEND)
+    if env:
+        return env, "env"
+    return "reference", "default"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("kvconform", "KV-cache sizing conformance (pytest-kvconform)")
+    group.addoption(
+        "--kvconform-backend",
+        default=None,
+        help="backend to check against the reference: reference (default), vllm, metal, an entry "
+        f"point of group pytest_kvconform.backends, or package.module:ClassName (env: {ENV_BACKEND})",
+    )
+    group.addoption(
+        "--kvconform-max-examples",
+        type=int,
+        default=None,
+        help="hypothesis max_examples for the differential property tests",
+    )
+    group.addoption(
+        "--kvconform-scenarios",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="extra kv-scenario/1 TOML files or folders for the kv_scenario fixture (repeatable)",
+    )
+    group.addoption(
+        "--kvconform-report",
+        default=None,
+        metavar="PATH",
+        help="write the rule x outcome matrix to PATH (.json or .md)",
+    )
+    parser.addini("kvconform_backend", "default kvconform backend (see --kvconform-backend)", default="")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for line in MARKERS.values():
+        config.addinivalue_line("markers", line)
+    session = KVConformSession(config)
+    config.stash[session_key] = session
+    config.pluginmanager.register(session, "kvconform-session")
+    if session.explicit:
+        session.backend  # noqa: B018 - resolve now: a bad name is a usage error before collection
+    max_examples = config.getoption("kvconform_max_examples")
+    if max_examples is not None:
+        if max_examples < 1:
+            raise pytest.UsageError("--kvconform-max-examples must be >= 1")
+        from hypothesis import settings
+
+        # Derive from the active profile (e.g. hypothesis's own "ci") and keep its other settings.
+        current = settings.get_profile(settings.get_current_profile_name())
+        settings.register_profile("kvconform", parent=current, max_examples=max_examples)
+        settings.load_profile("kvconform")
+
+
+def _session(config: pytest.Config) -> KVConformSession:
+    return config.stash[session_key]
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    session = _session(config)
+    if not session.explicit and not config.getoption("kvconform_scenarios"):
+        return [f"kvconform: backend=reference (default; select with --kvconform-backend or ${ENV_BACKEND})"]
+    from .reference import VLLM_TARGET
+
+    backend = session.backend
+    env = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("KVCONFORM_"))
+    policy = getattr(backend, "unify_policy", None) or "per scenario"
+    line = (
+        f"kvconform: backend={backend.name} ({backend.version}), reference=vLLM {VLLM_TARGET} rules, "
+        f"unify policy={policy}, selected by {session.backend_origin}"
+    )
+    return [line + (f", {env}" if env else "")]
+
+
+# ----------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="session")
+def kv_backend(pytestconfig: pytest.Config) -> Any:
+    """The backend under test (``--kvconform-backend``)."""
+    return _session(pytestconfig).backend
+
+
+@pytest.fixture(scope="session")
+def kv_reference() -> Any:
+    """The reference backend, the oracle every backend is compared with."""
+    from .backends.base import ReferenceBackend
+
+    return ReferenceBackend()
+
+
+@pytest.fixture
+def kv_scenario(request: pytest.FixtureRequest) -> Scenario:
+    """One scenario; tests using it are parametrized over the packaged scenarios (ids = names)."""
+    return request.param
+
+
+@pytest.fixture
+def kv_plan(kv_backend: Any, kv_scenario: Scenario) -> Any:
+    """The backend's KVPlan for ``kv_scenario``."""
+    from .conformance import call_rule
+
+    return call_rule(kv_backend, "plan", "plan", kv_scenario, scenario=kv_scenario)
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "kv_scenario" not in metafunc.fixturenames:
+        return
+    from .scenario import ScenarioError
+
+    try:
+        scenarios = _session(metafunc.config).scenarios()
+    except ScenarioError as exc:
+        raise pytest.UsageError(f"kvconform: bad scenario: {exc}") from None
+    marker = metafunc.definition.get_closest_marker("kvconform_scenario")
+    if marker is not None:
+        wanted = set(marker.args)
+        unknown = wanted - {_scenario_id(s) for s in scenarios}
+        if unknown:
+            raise pytest.UsageError(f"kvconform_scenario: unknown scenario(s) {sorted(unknown)}")
+        scenarios = [s for s in scenarios if _scenario_id(s) in wanted]
+    metafunc.parametrize("kv_scenario", scenarios, ids=[_scenario_id(s) for s in scenarios], indirect=True)
+
+
+def _scenario_id(scenario: Scenario) -> str:
+    return Path(scenario.source).stem if scenario.source.endswith(".toml") else scenario.name
+
+
+# ----------------------------------------------------------------------------- markers
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    from .conformance import RULE_FAMILIES
+
+    session = _session(config)
+    for item in items:
+        rule = item.get_closest_marker("kvconform_rule")
+        if rule is not None and (len(rule.args) != 1 or rule.args[0] not in RULE_FAMILIES):
+            raise pytest.UsageError(
+                f"{item.nodeid}: kvconform_rule expects one of {', '.join(RULE_FAMILIES)}; got {rule.args}"
+            )
+        cap = item.get_closest_marker("requires_capability")
+        if cap is not None:
+            if len(cap.args) != 1 or not isinstance(cap.args[0], str):
+                raise pytest.UsageError(f"{item.nodeid}: requires_capability expects one capability name")
+            if cap.args[0] not in session.backend.capabilities:
+                item.add_marker(
+                    pytest.mark.skip(reason=f"backend {session.backend_name!r} lacks capability {cap.args[0]!r}")
+                )
+        if item.get_closest_marker("metal") is not None:
+            try:
+                import mlx.core  # noqa: F401
+            except ImportError:
+                item.add_marker(pytest.mark.skip(reason="needs mlx: pip install 'pytest-kvconform[metal-cpu]'"))
+        if rule is not None:
+            from .conformance import known_failure
+
+            reason = known_failure(session.backend, item)
+            if reason:
+                item.add_marker(pytest.mark.xfail(reason=reason, strict=True))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    report = yield
+    rule = item.get_closest_marker("kvconform_rule")
+    if rule is not None and rule.args:
+        report.user_properties.append(("kvconform_rule", rule.args[0]))
+    return report
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    session = _session(config)
+    if not session.matrix or hasattr(config, "workerinput"):
+        return
+    from .report import format_matrix, write_report
+
+    terminalreporter.section(f"kvconform: backend {session.backend.name} vs reference")
+    for line in format_matrix(session.matrix):
+        terminalreporter.write_line(line)
+    path = config.getoption("kvconform_report")
+    if path:
+        write_report(Path(path), session.backend, session.matrix)
+        terminalreporter.write_line(f"kvconform: report written to {path}")
