@@ -1,7 +1,7 @@
 """``kvconform``: plan a scenario from the command line.
 
-    kvconform plan granite-4.0-h-tiny --set max_model_len=2048 --json
-    kvconform list
+kvconform plan granite-4.0-h-tiny --set max_model_len=2048 --json
+kvconform list
 """
 
 from __future__ import annotations
@@ -37,7 +37,9 @@ def _format_text(plan: dict[str, object]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvconform", description="KV-cache sizing reference for vLLM backends")
+    parser = argparse.ArgumentParser(
+        prog="kvconform", description="KV-cache sizing reference for vLLM backends"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="plan one scenario (a packaged name or a TOML path)")
     p.add_argument("scenario")

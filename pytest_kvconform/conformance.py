@@ -17,7 +17,14 @@ import pytest
 from .backends.base import RULE_FAMILIES, ReferenceBackend
 from .scenario import Scenario, load_scenario
 
-__all__ = ["RULE_FAMILIES", "Difference", "call_rule", "check_scenario", "known_failure", "skip_if_not_provided"]
+__all__ = [
+    "RULE_FAMILIES",
+    "Difference",
+    "call_rule",
+    "check_scenario",
+    "known_failure",
+    "skip_if_not_provided",
+]
 
 
 def skip_if_not_provided(backend: Any, rule: str) -> None:
@@ -37,10 +44,8 @@ def call_rule(backend: Any, rule: str, method: str, *args: Any, scenario: Scenar
         return fn(*args)
     except Exception as exc:
         where = f" on scenario {scenario.name!r} ({scenario.source})" if scenario is not None else ""
-        pytest.fail(
-            f"[{rule}] backend {backend.name!r}.{method} raised{where}: {type(exc).__name__}: {exc}",
-            pytrace=False,
-        )
+        message = f"[{rule}] backend {backend.name!r}.{method} raised{where}: {type(exc).__name__}: {exc}"
+    pytest.fail(message, pytrace=False)  # outside the except: no chained traceback
 
 
 def known_failure(backend: Any, item: pytest.Item) -> str | None:
@@ -81,7 +86,5 @@ def check_scenario(scenario: Scenario | str | Path, backend: Any) -> list[Differ
     expected = ReferenceBackend().plan(scenario).to_dict()
     got = backend.plan(scenario).to_dict()
     return [
-        Difference(scenario.name, k, expected[k], got.get(k))
-        for k in expected
-        if expected[k] != got.get(k)
+        Difference(scenario.name, k, expected[k], got.get(k)) for k in expected if expected[k] != got.get(k)
     ]

@@ -34,6 +34,7 @@ class KVConformSession:
         self.config = config
         self.backend_name, self.backend_origin = _selected_backend(config)
         self._backend: Any = None
+        self._scenarios: list[Scenario] | None = None
         self.matrix: dict[str, Counter[str]] = defaultdict(Counter)
         self.extra_scenario_paths = [Path(p) for p in config.getoption("kvconform_scenarios") or []]
 
@@ -65,14 +66,22 @@ class KVConformSession:
         return self._backend
 
     def scenarios(self) -> list[Scenario]:
-        """Packaged scenarios plus every ``*.toml`` under ``--kvconform-scenarios``."""
-        from .scenario import load_scenario, packaged_scenario_names
+        """Packaged scenarios plus every ``*.toml`` under ``--kvconform-scenarios`` (loaded once).
 
-        found = [load_scenario(n) for n in packaged_scenario_names()]
-        for path in self.extra_scenario_paths:
-            files = sorted(path.glob("*.toml")) if path.is_dir() else [path]
-            found.extend(load_scenario(f) for f in files)
-        return found
+        A malformed file is a usage error naming the file and the key.
+        """
+        if self._scenarios is None:
+            from .scenario import ScenarioError, load_scenario, packaged_scenario_names
+
+            try:
+                found = [load_scenario(n) for n in packaged_scenario_names()]
+                for path in self.extra_scenario_paths:
+                    files = sorted(path.glob("*.toml")) if path.is_dir() else [path]
+                    found.extend(load_scenario(f) for f in files)
+            except ScenarioError as exc:
+                raise pytest.UsageError(f"kvconform: bad scenario: {exc}") from None
+            self._scenarios = found
+        return self._scenarios
 
 
 session_key = pytest.StashKey[KVConformSession]()
@@ -130,6 +139,8 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(session, "kvconform-session")
     if session.explicit:
         session.backend  # noqa: B018 - resolve now: a bad name is a usage error before collection
+    if session.extra_scenario_paths:
+        session.scenarios()  # a malformed file is a usage error before collection
     max_examples = config.getoption("kvconform_max_examples")
     if max_examples is not None:
         if max_examples < 1:
@@ -196,12 +207,7 @@ def kv_plan(kv_backend: Any, kv_scenario: Scenario) -> Any:
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "kv_scenario" not in metafunc.fixturenames:
         return
-    from .scenario import ScenarioError
-
-    try:
-        scenarios = _session(metafunc.config).scenarios()
-    except ScenarioError as exc:
-        raise pytest.UsageError(f"kvconform: bad scenario: {exc}") from None
+    scenarios = _session(metafunc.config).scenarios()
     marker = metafunc.definition.get_closest_marker("kvconform_scenario")
     if marker is not None:
         wanted = set(marker.args)
@@ -235,13 +241,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 raise pytest.UsageError(f"{item.nodeid}: requires_capability expects one capability name")
             if cap.args[0] not in session.backend.capabilities:
                 item.add_marker(
-                    pytest.mark.skip(reason=f"backend {session.backend_name!r} lacks capability {cap.args[0]!r}")
+                    pytest.mark.skip(
+                        reason=f"backend {session.backend_name!r} lacks capability {cap.args[0]!r}"
+                    )
                 )
         if item.get_closest_marker("metal") is not None:
             try:
                 import mlx.core  # noqa: F401
             except ImportError:
-                item.add_marker(pytest.mark.skip(reason="needs mlx: pip install 'pytest-kvconform[metal-cpu]'"))
+                item.add_marker(
+                    pytest.mark.skip(reason="needs mlx: pip install 'pytest-kvconform[metal-cpu]'")
+                )
         if rule is not None:
             from .conformance import known_failure
 

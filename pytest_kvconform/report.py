@@ -39,7 +39,11 @@ def write_report(path: Path, backend: Any, matrix: Mapping[str, Counter[str]]) -
         }
         path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         return
-    lines = [f"# kvconform: {backend.name} ({backend.version})", "", "| rule family | " + " | ".join(OUTCOMES) + " |"]
+    lines = [
+        f"# kvconform: {backend.name} ({backend.version})",
+        "",
+        "| rule family | " + " | ".join(OUTCOMES) + " |",
+    ]
     lines.append("|---" * (len(OUTCOMES) + 1) + "|")
     lines += [f"| {rule} | " + " | ".join(str(n) for n in counts) + " |" for rule, counts in rows]
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")

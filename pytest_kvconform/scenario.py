@@ -218,8 +218,7 @@ def load_scenario(name_or_path: str | Path) -> Scenario:
             raise ScenarioError(
                 str(name_or_path),
                 "name",
-                "not a file and not a packaged scenario; packaged: "
-                + ", ".join(packaged_scenario_names()),
+                "not a file and not a packaged scenario; packaged: " + ", ".join(packaged_scenario_names()),
             )
         return parse_scenario(candidate.read_text(encoding="utf-8"), f"{name_or_path}.toml")
     if not path.is_file():
@@ -281,7 +280,7 @@ class _Reader:
                 raise self.fail(k, f"missing; expected {what}")
             return default
         v = self.data[k]
-        if isinstance(v, bool) and kind is not bool or not isinstance(v, kind):
+        if (isinstance(v, bool) and kind is not bool) or not isinstance(v, kind):
             raise self.fail(k, f"expected {what}, got {type(v).__name__} {v!r}")
         return v
 
@@ -445,7 +444,9 @@ def _check_runtime(rt: RuntimeSettings, source: str) -> None:
         elif v is not None or f.name != "num_gpu_blocks_override":
             minimum = 0 if f.name == "num_speculative_tokens" else 1
             if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-                raise ScenarioError(source, f"runtime.{f.name}", f"expected an integer >= {minimum}, got {v!r}")
+                raise ScenarioError(
+                    source, f"runtime.{f.name}", f"expected an integer >= {minimum}, got {v!r}"
+                )
 
 
 _RUNTIME_CHOICES = {
@@ -472,7 +473,11 @@ def _read_layer_specs(items: Any, source: str) -> tuple[LayerSpecEntry, ...]:
                 for s in shapes
             )):  # fmt: skip
                 raise r.fail("shapes", "expected a non-empty list of lists of positive integers")
-            if not (isinstance(dtypes, list) and len(dtypes) == len(shapes) and all(d in SPEC_DTYPES for d in dtypes)):
+            if not (
+                isinstance(dtypes, list)
+                and len(dtypes) == len(shapes)
+                and all(d in SPEC_DTYPES for d in dtypes)
+            ):
                 raise r.fail("dtypes", f"expected {len(shapes)} dtype names from {', '.join(SPEC_DTYPES)}")
             out.append(LayerSpecEntry(
                 kind=kind, count=count, block_size=block_size,

@@ -43,7 +43,12 @@ def state_tables(draw: st.DrawFn) -> dict[str, Any]:
                 "num_value_heads": draw(st.sampled_from([16, 32, 48])), "key_head_dim": 128,
                 "value_head_dim": 128, "ssm_dtype": draw(st.sampled_from(["auto", "float32"]))}  # fmt: skip
     if kind == "kda":
-        return {"kind": kind, "conv_kernel": conv, "num_heads": draw(st.sampled_from([16, 32])), "head_dim": 128}
+        return {
+            "kind": kind,
+            "conv_kernel": conv,
+            "num_heads": draw(st.sampled_from([16, 32])),
+            "head_dim": 128,
+        }
     return {"kind": kind, "conv_kernel": conv, "conv_dim": draw(st.sampled_from([1024, 2048, 4096]))}
 
 

@@ -24,7 +24,9 @@ def _scenario(data: dict[str, Any]) -> Scenario:
     return scenario_from_dict(data, "<hypothesis>")
 
 
-def _both(kv_backend: Any, kv_reference: Any, rule: str, method: str, scenario: Scenario, *args: Any) -> tuple:
+def _both(
+    kv_backend: Any, kv_reference: Any, rule: str, method: str, scenario: Scenario, *args: Any
+) -> tuple:
     try:
         expected = getattr(kv_reference, method)(*args)
     except (ValueError, NotImplementedError, AssertionError) as exc:
@@ -57,7 +59,9 @@ def test_grouping_generated(kv_backend: Any, kv_reference: Any, data: dict[str, 
     except (ValueError, NotImplementedError):
         return  # rejected before grouping; covered by the alignment property
     rt = s.runtime
-    expected, got = _both(kv_backend, kv_reference, "grouping", "kv_cache_groups", s, specs, rt, rt.unify_policy)
+    expected, got = _both(
+        kv_backend, kv_reference, "grouping", "kv_cache_groups", s, specs, rt, rt.unify_policy
+    )
     assert got == expected
 
 

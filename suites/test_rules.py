@@ -31,7 +31,9 @@ def distinct(specs: dict[str, Any], kind: type) -> list[Any]:
 @pytest.mark.kvconform_rule("dtype")
 @pytest.mark.parametrize("model_dtype", MODEL_DTYPES)
 @pytest.mark.parametrize("kv_cache_dtype", KV_CACHE_DTYPES)
-def test_kv_cache_dtype_bytes(kv_backend: Any, kv_reference: Any, kv_cache_dtype: str, model_dtype: str) -> None:
+def test_kv_cache_dtype_bytes(
+    kv_backend: Any, kv_reference: Any, kv_cache_dtype: str, model_dtype: str
+) -> None:
     expected = kv_reference.kv_cache_dtype_bytes(kv_cache_dtype, model_dtype)
     assert call_rule(kv_backend, "dtype", "kv_cache_dtype_bytes", kv_cache_dtype, model_dtype) == expected
 
@@ -39,7 +41,10 @@ def test_kv_cache_dtype_bytes(kv_backend: Any, kv_reference: Any, kv_cache_dtype
 @pytest.mark.kvconform_rule("attention_page")
 def test_attention_page_bytes(kv_backend: Any, kv_reference: Any, kv_scenario: Scenario) -> None:
     specs = distinct(kv_reference.layer_specs(kv_scenario), AttentionSpec)
-    got = [call_rule(kv_backend, "attention_page", "attention_page_bytes", s, scenario=kv_scenario) for s in specs]
+    got = [
+        call_rule(kv_backend, "attention_page", "attention_page_bytes", s, scenario=kv_scenario)
+        for s in specs
+    ]
     assert got == [s.page_size_bytes for s in specs]
 
 
@@ -58,7 +63,10 @@ def test_state_shapes_and_page(kv_backend: Any, kv_reference: Any, kv_scenario: 
 def test_max_memory_usage_bytes(kv_backend: Any, kv_reference: Any, kv_scenario: Scenario) -> None:
     rt = kv_scenario.runtime
     specs = list(dict.fromkeys(kv_reference.layer_specs(kv_scenario).values()))
-    got = [call_rule(kv_backend, "max_memory", "max_memory_usage_bytes", s, rt, scenario=kv_scenario) for s in specs]
+    got = [
+        call_rule(kv_backend, "max_memory", "max_memory_usage_bytes", s, rt, scenario=kv_scenario)
+        for s in specs
+    ]
     assert got == [kv_reference.max_memory_usage_bytes(s, rt) for s in specs]
 
 
@@ -67,7 +75,9 @@ def test_hybrid_alignment(kv_backend: Any, kv_reference: Any, kv_scenario: Scena
     expected = kv_reference.align_hybrid_block_size(kv_scenario)
     if expected is None:
         pytest.skip("not a hybrid attention + state model")
-    got = call_rule(kv_backend, "hybrid_alignment", "align_hybrid_block_size", kv_scenario, scenario=kv_scenario)
+    got = call_rule(
+        kv_backend, "hybrid_alignment", "align_hybrid_block_size", kv_scenario, scenario=kv_scenario
+    )
     assert (got.block_size, got.page_size_bytes, got.state_page_padded_bytes) == (
         expected.block_size, expected.page_size_bytes, expected.state_page_padded_bytes,
     )  # fmt: skip
@@ -109,17 +119,23 @@ def test_check_memory(kv_backend: Any, kv_reference: Any, kv_scenario: Scenario)
     specs, rt = kv_reference.layer_specs(kv_scenario), kv_scenario.runtime
     policy = kv_backend.policy_for(kv_scenario) if hasattr(kv_backend, "policy_for") else rt.unify_policy
     expected = kv_reference.check_memory(specs, rt, policy)
-    assert call_rule(kv_backend, "memory", "check_memory", specs, rt, policy, scenario=kv_scenario) == expected
+    assert (
+        call_rule(kv_backend, "memory", "check_memory", specs, rt, policy, scenario=kv_scenario) == expected
+    )
 
 
 @pytest.mark.kvconform_rule("memory")
 @pytest.mark.parametrize("fraction", [0.001, 0.5, 1.0])
-def test_estimate_max_model_len(kv_backend: Any, kv_reference: Any, kv_scenario: Scenario, fraction: float) -> None:
+def test_estimate_max_model_len(
+    kv_backend: Any, kv_reference: Any, kv_scenario: Scenario, fraction: float
+) -> None:
     specs, rt = kv_reference.layer_specs(kv_scenario), kv_scenario.runtime
     policy = kv_backend.policy_for(kv_scenario) if hasattr(kv_backend, "policy_for") else rt.unify_policy
     available = int(kv_reference.check_memory(specs, rt, policy).needed_bytes * fraction)
     expected = kv_reference.estimate_max_model_len(specs, rt, available, policy)
-    got = call_rule(kv_backend, "memory", "estimate_max_model_len", specs, rt, available, policy, scenario=kv_scenario)
+    got = call_rule(
+        kv_backend, "memory", "estimate_max_model_len", specs, rt, available, policy, scenario=kv_scenario
+    )
     assert got == expected
 
 
@@ -128,7 +144,10 @@ def test_one_sequence_bytes(kv_backend: Any, kv_reference: Any, kv_scenario: Sce
     if kv_scenario.is_spec_level:
         pytest.skip("the one-sequence estimate needs a model-level scenario")
     expected = kv_reference.one_sequence_bytes(kv_scenario)
-    assert call_rule(kv_backend, "one_sequence", "one_sequence_bytes", kv_scenario, scenario=kv_scenario) == expected
+    assert (
+        call_rule(kv_backend, "one_sequence", "one_sequence_bytes", kv_scenario, scenario=kv_scenario)
+        == expected
+    )
 
 
 #: Logical block sizes seen in the notes (hybrid alignments, translations) plus a few small ones.
@@ -139,7 +158,9 @@ BLOCK_SIZES = [8, 16, 24, 32, 48, 64, 144, 160, 288, 400, 416, 528, 544, 784, 10
 @pytest.mark.parametrize("block_size", [*BLOCK_SIZES, 7, 100])
 def test_kernel_block_size(kv_backend: Any, kv_reference: Any, block_size: int) -> None:
     skip_if_not_provided(kv_backend, "kernel_block")
-    assert outcome(kv_backend.kernel_block_size, block_size) == outcome(kv_reference.kernel_block_size, block_size)
+    assert outcome(kv_backend.kernel_block_size, block_size) == outcome(
+        kv_reference.kernel_block_size, block_size
+    )
 
 
 @pytest.mark.kvconform_rule("kernel_block")

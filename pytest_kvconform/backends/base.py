@@ -89,7 +89,9 @@ class ReferenceBackend:
         return [g.public(runtime) for g in get_kv_cache_groups(specs, policy)]
 
     # -- memory
-    def check_memory(self, specs: dict[str, KVCacheSpec], runtime: RuntimeSettings, policy: str) -> MemoryCheck:
+    def check_memory(
+        self, specs: dict[str, KVCacheSpec], runtime: RuntimeSettings, policy: str
+    ) -> MemoryCheck:
         return memory.check_memory(get_kv_cache_groups(specs, policy), runtime)
 
     def estimate_max_model_len(
@@ -108,7 +110,9 @@ class ReferenceBackend:
     def kernel_block_size(self, block_size: int) -> int:
         return metal.pick_kernel_block_size(block_size)
 
-    def build_block_tables(self, rows: Sequence[Sequence[int]], block_size: int) -> tuple[list[list[int]], int]:
+    def build_block_tables(
+        self, rows: Sequence[Sequence[int]], block_size: int
+    ) -> tuple[list[list[int]], int]:
         return metal.build_block_tables(rows, block_size)
 
     # -- plan

@@ -194,7 +194,10 @@ def paged_attention(
     flat_k = key_cache.reshape(nb * bs * hkv, d)
     flat_v = value_cache.reshape(nb * bs * hkv, d)
     table_mx = mx.array(table.astype(np.int32))
-    heads = mx.arange(hkv, dtype=mx.int32)[:, None]
+    # flat row of (block b, offset o, head h) in the [NB*BS*Hkv, D] view: b*BS*Hkv + (o*Hkv + h)
+    in_block = (mx.arange(block_size, dtype=mx.int32)[None, None, :] * hkv) + mx.arange(hkv, dtype=mx.int32)[
+        :, None, None
+    ]
     sink_g = None if sinks is None else sinks.reshape(hkv, group, 1, 1)
     outs = []
     for s in range(num_seqs):
@@ -205,15 +208,23 @@ def paged_attention(
         seq_len = int(lens[s])
         first_eff = seq_len - rows + 1
         lo = max(0, first_eff - sliding_window) if sliding_window > 0 else 0
-        pos = mx.arange(lo, seq_len, dtype=mx.int32)
-        slot = table_mx[s][pos // block_size] * block_size + pos % block_size
-        idx = (slot[None, :] * hkv + heads).reshape(-1)
+        b0, b1 = lo // block_size, -(-seq_len // block_size)
+        rows_idx = table_mx[s, b0:b1][None, :, None] * (block_size * hkv) + in_block  # [Hkv, nblk, BS]
+        rows_idx = rows_idx.reshape(hkv, (b1 - b0) * block_size)
+        first = lo - b0 * block_size
         length = seq_len - lo
+        if first or length != rows_idx.shape[1]:
+            rows_idx = rows_idx[:, first : first + length]
+        idx = rows_idx.reshape(-1)
         k = mx.take(flat_k, idx, axis=0).reshape(hkv, length, d).astype(mx.float32)
         v = mx.take(flat_v, idx, axis=0).reshape(hkv, length, d).astype(mx.float32)
         # [rows, Hq, D] -> [Hkv, G*rows, D]: row-block g*rows + r is query head h*G+g at row r.
         q = query[q0:q1].astype(mx.float32) * scale
         q = q.reshape(rows, hkv, group, d).transpose(1, 2, 0, 3).reshape(hkv, group * rows, d)
+        if rows == 1:
+            out_1 = _decode_rows(q, k, v, None if sink_g is None else sink_g.reshape(hkv, 1, group))
+            outs.append(out_1.reshape(1, hq, d))
+            continue
         scores = (q @ k.swapaxes(-1, -2)).reshape(hkv, group, rows, length)
         if rows > 1:
             eff = mx.arange(first_eff, seq_len + 1, dtype=mx.int32)[:, None]
@@ -234,6 +245,23 @@ def paged_attention(
         outs.append(o.transpose(2, 0, 1, 3).reshape(rows, hq, d))
     out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
     return out.astype(query.dtype)
+
+
+def _decode_rows(q: mx.array, k: mx.array, v: mx.array, sink: mx.array | None) -> mx.array:
+    """One query row per head, every gathered key attended: ``[Hkv, G, D]``.
+
+    Scores are formed as ``K @ q^T`` (``[Hkv, L, G]``): with the reference BLAS of the CPU wheel
+    this streams K once instead of once per query head (notes-metal-runtime.md).
+    """
+    scores = k @ mx.contiguous(q.swapaxes(-1, -2))  # [Hkv, L, G]
+    m = scores.max(axis=1, keepdims=True)
+    if sink is not None:
+        m = mx.maximum(m, sink)
+    e = mx.exp(scores - m)
+    denom = e.sum(axis=1, keepdims=True) + _DENOM_EPS
+    if sink is not None:
+        denom = denom + mx.exp(sink - m)
+    return (e.swapaxes(-1, -2) @ v) / denom.swapaxes(-1, -2)
 
 
 def paged_attention_logical(

@@ -39,7 +39,9 @@ def layer_specs(scenario: Scenario, alignment: HybridAlignment | None = None) ->
             if attn.indexer_head_dim and (attn.indexer_layers is None or attn.indexer_layers[i] == "I"):
                 specs[f"model.layers.{i}.indexer"] = indexer_spec(attn, block_size=block)
         if code in "MP":
-            specs[f"model.layers.{i}.mixer"] = state_spec(scenario, block_size=mamba_block, page_size_padded=padded)
+            specs[f"model.layers.{i}.mixer"] = state_spec(
+                scenario, block_size=mamba_block, page_size_padded=padded
+            )
     return specs
 
 

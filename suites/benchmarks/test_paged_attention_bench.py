@@ -49,13 +49,15 @@ def data() -> dict[str, Any]:
 
 def paged_cache(data: dict[str, Any], block_size: int) -> tuple[mx.array, mx.array, list[list[int]]]:
     """Scatter each sequence's blocks over a shuffled pool with a few spare blocks."""
-    per_seq = CTX // block_size
+    per_seq = -(-CTX // block_size)  # the last block of 160/400 is partly filled
     num_blocks = B * per_seq + 4
     ids = np.random.default_rng(block_size).permutation(num_blocks)[: B * per_seq].reshape(B, per_seq)
     caches = []
     for name in ("keys", "values"):
+        tokens = np.zeros((B, per_seq * block_size, HKV, D), dtype=np.float32)
+        tokens[:, :CTX] = data[name]
         cache = np.zeros((num_blocks, block_size, HKV, D), dtype=np.float32)
-        cache[ids.reshape(-1)] = data[name].reshape(B * per_seq, block_size, HKV, D)
+        cache[ids.reshape(-1)] = tokens.reshape(B * per_seq, block_size, HKV, D)
         caches.append(mx.array(cache))
     mx.eval(*caches)
     return caches[0], caches[1], ids.tolist()

