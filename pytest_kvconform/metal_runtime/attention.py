@@ -31,6 +31,7 @@ DTYPE_TOLERANCES: dict[str, tuple[float, float]] = {
 }
 _DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 _DENOM_EPS = 1e-6  # the kernel's 1/(l + 1e-6)
+_PV_CHUNK = 512  # tokens per P@V chunk in decode: 512*128*4 B = 256 KiB of V, fits a Zen 3 L2
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -261,7 +262,14 @@ def _decode_rows(q: mx.array, k: mx.array, v: mx.array, sink: mx.array | None) -
     denom = e.sum(axis=1, keepdims=True) + _DENOM_EPS
     if sink is not None:
         denom = denom + mx.exp(sink - m)
-    return (e.swapaxes(-1, -2) @ v) / denom.swapaxes(-1, -2)
+    hkv, length, group = e.shape
+    chunk = _PV_CHUNK if length % _PV_CHUNK == 0 and length > _PV_CHUNK else length
+    if chunk == length:
+        pv = e.swapaxes(-1, -2) @ v
+    else:  # L2-sized V chunks, partial sums added: V is streamed once, not once per query head
+        n = length // chunk
+        pv = (e.reshape(hkv, n, chunk, group).swapaxes(-1, -2) @ v.reshape(hkv, n, chunk, -1)).sum(axis=1)
+    return pv / denom.swapaxes(-1, -2)
 
 
 def paged_attention_logical(

@@ -1,0 +1,419 @@
+"""The ``kv-scenario/1`` loader: packaged files load, bad files fail with a ScenarioError.
+
+Every bad file is written to disk and loaded by path, so each error must name that file,
+the dotted key and what was expected - never escape as KeyError/TypeError.
+"""
+
+from __future__ import annotations
+
+import copy
+import tomllib
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pytest_kvconform.scenario import (
+    SCHEMA,
+    LayerSpecEntry,
+    RuntimeSettings,
+    Scenario,
+    ScenarioError,
+    load_scenario,
+    packaged_scenario_names,
+    parse_scenario,
+    scenario_from_dict,
+)
+
+# --------------------------------------------------------------------------- a tiny TOML writer
+
+
+def _value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int | float):
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(_value(x) for x in v) + "]"
+    raise TypeError(f"cannot write {v!r}")
+
+
+def to_toml(data: dict[str, Any], prefix: str = "") -> str:
+    """Scalars first, then ``[tables]`` and ``[[arrays of tables]]`` (enough for scenarios)."""
+    lines, tail = [], []
+    for k, v in data.items():
+        key = f"{prefix}.{k}" if prefix else k
+        if isinstance(v, dict):
+            tail.append(f"\n[{key}]\n" + to_toml(v, key))
+        elif isinstance(v, list) and v and all(isinstance(x, dict) for x in v):
+            tail.extend(f"\n[[{key}]]\n" + to_toml(x, key) for x in v)
+        else:
+            lines.append(f"{k} = {_value(v)}")
+    return "\n".join(lines) + "\n" + "".join(tail)
+
+
+BASE: dict[str, Any] = {
+    "schema": SCHEMA,
+    "name": "loader-test",
+    "model": {
+        "architecture": "GraniteMoeHybridForCausalLM",
+        "dtype": "bfloat16",
+        "num_hidden_layers": 4,
+        "layers": "MMMA",
+        "sources": ["rules §9(e) e2"],
+        "attention": {"kind": "gqa", "num_kv_heads": 4, "head_dim": 128},
+        "state": {"kind": "mamba2", "intermediate_size": 3072, "n_groups": 1, "n_heads": 48,
+                  "head_dim": 64, "d_state": 128, "conv_kernel": 4},
+    },
+    "runtime": {"max_model_len": 32768, "block_size": 16},
+    "expect": {"block_size": 400, "external": {"block_size": 400, "source": "x"}},
+}  # fmt: skip
+
+SPEC_LEVEL: dict[str, Any] = {
+    "schema": SCHEMA,
+    "name": "spec-level",
+    "layer_specs": [
+        {"kind": "full_attention", "count": 2, "block_size": 1, "num_kv_heads": 1, "head_size": 194},
+        {"kind": "mamba", "shapes": [[3, 8192], [32, 128, 128]], "dtypes": ["bfloat16", "float32"]},
+    ],
+    "runtime": {"unify_policy": "lcm"},
+}
+
+
+def mutate(base: dict[str, Any], path: str, value: Any = ...) -> dict[str, Any]:
+    """A deep copy with ``path`` (dotted; ``layer_specs.0.kind``) set, or deleted when value is ``...``."""
+    data = copy.deepcopy(base)
+    *parents, last = path.split(".")
+    node: Any = data
+    for p in parents:
+        node = node[int(p)] if isinstance(node, list) else node[p]
+    if value is ...:
+        del node[last]
+    else:
+        node[last] = value
+    return data
+
+
+def write(tmp_path: Path, data: dict[str, Any] | str, name: str = "bad.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(data if isinstance(data, str) else to_toml(data), encoding="utf-8")
+    return path
+
+
+def load_error(tmp_path: Path, data: dict[str, Any] | str) -> ScenarioError:
+    path = write(tmp_path, data)
+    with pytest.raises(ScenarioError) as exc:
+        load_scenario(path)
+    err = exc.value
+    assert err.source == str(path)
+    assert str(err).startswith(f"{path}: {err.key}: ")
+    return err
+
+
+def test_writer_round_trips_the_base_files(tmp_path):
+    assert tomllib.loads(to_toml(BASE)) == BASE
+    assert tomllib.loads(to_toml(SPEC_LEVEL)) == SPEC_LEVEL
+    assert load_scenario(write(tmp_path, BASE)).model.layers == "MMMA"
+
+
+# --------------------------------------------------------------------------- packaged scenarios
+
+
+def test_there_are_packaged_scenarios():
+    names = packaged_scenario_names()
+    assert names == sorted(names)
+    assert {"granite-4.0-h-tiny", "glm-5-fp8-ds-mla", "qwen3.6-35b-a3b-turboquant-k8v4"} <= set(names)
+
+
+@pytest.mark.parametrize("name", packaged_scenario_names())
+def test_packaged_scenario_loads_and_keeps_sources(name):
+    raw = tomllib.loads((resources.files("pytest_kvconform") / "scenarios" / f"{name}.toml").read_text("utf-8"))
+    s = load_scenario(name)
+    assert isinstance(s, Scenario)
+    assert s.source == f"{name}.toml"
+    assert s.name == raw["name"]
+    assert s.model is not None
+    assert s.model.sources == tuple(raw["model"]["sources"])
+    assert s.model.sources, "every packaged model must cite its sources"
+    assert all(isinstance(x, str) and x for x in s.model.sources)
+    assert len(s.model.layers) == s.model.num_hidden_layers == raw["model"]["num_hidden_layers"]
+    assert dict(s.expect) == {k: v for k, v in raw["expect"].items() if k != "external"}
+    assert dict(s.expect_external) == raw["expect"].get("external", {})
+    # the same file loaded by path
+    path = Path(str(resources.files("pytest_kvconform") / "scenarios" / f"{name}.toml"))
+    assert load_scenario(path).model == s.model
+
+
+def test_unknown_packaged_name_lists_the_packaged_ones():
+    with pytest.raises(ScenarioError) as exc:
+        load_scenario("no-such-model")
+    assert exc.value.key == "name"
+    assert "granite-4.0-h-tiny" in exc.value.problem
+
+
+def test_missing_path(tmp_path):
+    with pytest.raises(ScenarioError) as exc:
+        load_scenario(tmp_path / "absent.toml")
+    assert (exc.value.key, exc.value.problem) == ("path", "no such file")
+
+
+def test_parse_scenario_names_its_source():
+    s = parse_scenario(to_toml(BASE), "inline.toml")
+    assert s.source == "inline.toml"
+    assert s.expect == {"block_size": 400}
+    assert s.expect_external == {"block_size": 400, "source": "x"}
+
+
+# --------------------------------------------------------------------------- bad model-level files
+
+BAD_CASES = [
+    # (id, mutation path, value or ... to delete, key named, words the problem must contain)
+    ("missing-schema", "schema", ..., "schema", "missing; expected a string"),
+    ("wrong-schema", "schema", "kv-scenario/2", "schema", "expected 'kv-scenario/1'"),
+    ("missing-name", "name", ..., "name", "missing; expected a string"),
+    ("missing-layers", "model.layers", ..., "model.layers", "missing; expected a string"),
+    ("missing-num-layers", "model.num_hidden_layers", ..., "model.num_hidden_layers", "missing; expected an integer"),
+    ("missing-architecture", "model.architecture", ..., "model.architecture", "missing"),
+    ("missing-head-dim", "model.attention.head_dim", ..., "model.attention.head_dim", "missing; expected an integer"),
+    ("missing-state-field", "model.state.n_heads", ..., "model.state.n_heads", "missing; expected an integer"),
+    ("missing-attention", "model.attention", ..., "model.attention", "expected [model.attention]"),
+    ("missing-state", "model.state", ..., "model.state", "expected [model.state]"),
+    ("wrong-type-layers", "model.num_hidden_layers", "4", "model.num_hidden_layers", "expected an integer, got str"),
+    ("wrong-type-float", "model.attention.head_dim", 128.0, "model.attention.head_dim", "expected an integer, got float"),
+    ("wrong-type-bool-int", "runtime.block_size", True, "runtime.block_size", "expected an integer, got bool"),
+    ("wrong-type-str", "model.layers", 4, "model.layers", "expected a string, got int"),
+    ("wrong-type-bool", "runtime.user_specified_block_size", "yes", "runtime.user_specified_block_size",
+     "expected true or false"),
+    ("wrong-type-table", "model.attention", "gqa", "model.attention", "expected a table"),
+    ("wrong-type-runtime", "runtime", [1, 2], "runtime", "expected a table"),
+    ("wrong-type-expect", "expect", 3, "expect", "expected a table"),
+    ("wrong-type-external", "expect.external", 3, "expect.external", "expected a table"),
+    ("wrong-type-sources", "model.sources", "one source", "model.sources", "expected a list of strings"),
+    ("unknown-attention-kind", "model.attention.kind", "mqa", "model.attention.kind", "expected one of gqa, mla"),
+    ("unknown-state-kind", "model.state.kind", "rwkv", "model.state.kind", "expected one of mamba1, mamba2"),
+    ("unknown-model-dtype", "model.dtype", "fp8", "model.dtype", "expected one of float16, bfloat16, float32"),
+    ("unknown-kv-cache-dtype", "runtime.kv_cache_dtype", "fp9", "runtime.kv_cache_dtype", "expected one of auto"),
+    ("unknown-mamba-dtype", "runtime.mamba_ssm_cache_dtype", "fp8", "runtime.mamba_ssm_cache_dtype",
+     "expected one of auto, float16, bfloat16, float32"),
+    ("unknown-ssm-dtype", "model.state.ssm_dtype", "int8", "model.state.ssm_dtype", "expected one of auto"),
+    ("unknown-cache-mode", "runtime.mamba_cache_mode", "all", "runtime.mamba_cache_mode",
+     "expected one of none, align"),
+    ("unknown-policy", "runtime.unify_policy", "max", "runtime.unify_policy", "expected one of pad-to-max"),
+    ("layers-too-short", "model.layers", "MMA", "model.layers", "expected 4 characters (num_hidden_layers), got 3"),
+    ("layers-too-long", "model.layers", "MMMAA", "model.layers", "expected 4 characters"),
+    ("unknown-layer-code", "model.layers", "MMZA", "model.layers", "unknown layer code(s) 'Z'"),
+    ("negative-heads", "model.attention.num_kv_heads", -4, "model.attention.num_kv_heads",
+     "expected an integer >= 1, got -4"),
+    ("negative-state", "model.state.d_state", -1, "model.state.d_state", "expected an integer >= 1"),
+    ("zero-layers", "model.num_hidden_layers", 0, "model.num_hidden_layers", "expected an integer >= 1"),
+    ("block-size-zero", "runtime.block_size", 0, "runtime.block_size", "expected an integer >= 1, got 0"),
+    ("negative-spec-tokens", "runtime.num_speculative_tokens", -1, "runtime.num_speculative_tokens",
+     "expected an integer >= 0"),
+    ("zero-memory", "runtime.kv_cache_memory_bytes", 0, "runtime.kv_cache_memory_bytes", "expected an integer >= 1"),
+    ("zero-override", "runtime.num_gpu_blocks_override", 0, "runtime.num_gpu_blocks_override",
+     "expected an integer >= 1"),
+    ("unknown-top-key", "extra", 1, "extra", "unknown key; expected one of"),
+    ("unknown-model-key", "model.num_layers", 4, "model.num_layers", "unknown key"),
+    ("unknown-runtime-key", "runtime.gpu_memory_utilization", 1, "runtime.gpu_memory_utilization", "unknown key"),
+    ("mla-key-on-gqa", "model.attention.kv_lora_rank", 512, "model.attention.kv_lora_rank", "unknown key"),
+    ("gdn-key-on-mamba2", "model.state.num_key_heads", 16, "model.state.num_key_heads", "unknown key"),
+    ("sliding-window-missing", "model.layers", "MMSA", "model.attention.sliding_window",
+     "missing; expected an integer >= 1 (layers has 'S')"),
+    ("chunk-missing", "model.layers", "MMLA", "model.attention.attention_chunk_size", "missing"),
+    ("state-without-M", "model.layers", "AAAA", "model.state", "expected [model.state] exactly when"),
+    ("no-attention-layer", "model.layers", "MM--", "model.attention", "expected [model.attention] exactly"),
+]
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "key", "words"), [c[1:] for c in BAD_CASES], ids=[c[0] for c in BAD_CASES]
+)
+def test_bad_model_level_file(tmp_path, path, value, key, words):
+    err = load_error(tmp_path, mutate(BASE, path, value))
+    assert err.key == key
+    assert words in err.problem
+    assert "expected" in err.problem or "unknown" in err.problem
+
+
+def test_state_only_model_needs_an_attention_layer(tmp_path):
+    data = mutate(mutate(BASE, "model.layers", "MMMM"), "model.attention")
+    err = load_error(tmp_path, data)
+    assert (err.key, err.problem) == ("model.layers", "expected at least one attention layer")
+
+
+def test_mla_geometry_checks(tmp_path):
+    mla = {"kind": "mla", "kv_lora_rank": 512, "qk_rope_head_dim": 64, "indexer_head_dim": 128}
+    data = mutate(mutate(BASE, "model.attention", mla), "model.layers", "AAAA")
+    del data["model"]["state"]
+    assert load_scenario(write(tmp_path, data)).model.attention.num_kv_heads == 1
+    err = load_error(tmp_path, mutate(data, "model.attention.num_kv_heads", 8))
+    assert (err.key, "unknown key" in err.problem) == ("model.attention.num_kv_heads", True)
+    err = load_error(tmp_path, mutate(data, "model.attention.indexer_layers", "II"))
+    assert (err.key, err.problem) == ("model.attention.indexer_layers", "expected 4 characters of 'I' or '-'")
+    err = load_error(tmp_path, mutate(data, "model.attention.indexer_layers", "IIXI"))
+    assert err.key == "model.attention.indexer_layers"
+    err = load_error(tmp_path, mutate(data, "model.attention.indexer_head_dim", -1))
+    assert (err.key, err.problem) == ("model.attention.indexer_head_dim", "expected an integer >= 0, got -1")
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        'schema = "kv-scenario/1"\nname = "x"\n[model\n',
+        'schema = "kv-scenario/1"\nname = \n',
+        "schema = 'kv-scenario/1'\nschema = 'again'\n",
+        "\x00",
+    ],
+    ids=["unclosed-table", "missing-value", "duplicate-key", "nul"],
+)
+def test_bad_toml(tmp_path, text):
+    err = load_error(tmp_path, text)
+    assert err.key == "<toml>"
+    assert err.problem.startswith("not valid TOML (")
+
+
+def test_root_must_be_a_table():
+    with pytest.raises(ScenarioError) as exc:
+        scenario_from_dict([1, 2], "list.toml")  # type: ignore[arg-type]
+    assert (exc.value.source, exc.value.key, exc.value.problem) == ("list.toml", "<root>", "expected a table")
+
+
+# --------------------------------------------------------------------------- spec-level form
+
+
+def test_spec_level_valid(tmp_path):
+    s = load_scenario(write(tmp_path, SPEC_LEVEL))
+    assert s.is_spec_level and s.model is None
+    assert s.layer_specs == (
+        LayerSpecEntry(kind="full_attention", count=2, block_size=1, num_kv_heads=1, head_size=194),
+        LayerSpecEntry(kind="mamba", shapes=((3, 8192), (32, 128, 128)), dtypes=("bfloat16", "float32")),
+    )
+    assert s.runtime.unify_policy == "lcm"
+
+
+def test_spec_level_optional_fields(tmp_path):
+    data = mutate(SPEC_LEVEL, "layer_specs", [
+        {"kind": "sliding_window", "head_size": 64, "sliding_window": 128, "head_size_v": 0,
+         "state_content_bytes": 196, "dtype": "uint8"},
+        {"kind": "chunked_local", "head_size": 128, "attention_chunk_size": 8192},
+        {"kind": "mamba", "shapes": [[4]], "dtypes": ["float32"], "num_speculative_blocks": 2},
+    ])  # fmt: skip
+    s = load_scenario(write(tmp_path, data))
+    sw, chunk, state = s.layer_specs
+    assert (sw.sliding_window, sw.head_size_v, sw.state_content_bytes, sw.dtype) == (128, 0, 196, "uint8")
+    assert chunk.attention_chunk_size == 8192
+    assert state.num_speculative_blocks == 2
+
+
+SPEC_BAD_CASES = [
+    ("shapes-dtypes-mismatch", "layer_specs.1.dtypes", ["bfloat16"], "layer_specs[1].dtypes",
+     "expected 2 dtype names from"),
+    ("unknown-spec-dtype", "layer_specs.1.dtypes", ["bfloat16", "fp8"], "layer_specs[1].dtypes", "expected 2 dtype"),
+    ("missing-shapes", "layer_specs.1.shapes", ..., "layer_specs[1].shapes", "expected a non-empty list of lists"),
+    ("empty-shape", "layer_specs.1.shapes", [[], [4]], "layer_specs[1].shapes", "positive integers"),
+    ("negative-dim", "layer_specs.1.shapes", [[3, -1], [4]], "layer_specs[1].shapes", "positive integers"),
+    ("bool-dim", "layer_specs.1.shapes", [[3, True], [4]], "layer_specs[1].shapes", "positive integers"),
+    ("flat-shapes", "layer_specs.1.shapes", [3, 8192], "layer_specs[1].shapes", "lists of positive integers"),
+    ("unknown-spec-kind", "layer_specs.0.kind", "hidden_state", "layer_specs[0].kind",
+     "expected one of full_attention"),
+    ("missing-head-size", "layer_specs.0.head_size", ..., "layer_specs[0].head_size", "missing; expected an integer"),
+    ("attention-dtype", "layer_specs.0.dtype", "fp8", "layer_specs[0].dtype", "expected one of float32"),
+    ("spec-block-zero", "layer_specs.0.block_size", 0, "layer_specs[0].block_size", "expected an integer >= 1, got 0"),
+    ("spec-count-zero", "layer_specs.0.count", 0, "layer_specs[0].count", "expected an integer >= 1"),
+    ("spec-negative-heads", "layer_specs.0.num_kv_heads", -1, "layer_specs[0].num_kv_heads", ">= 1"),
+    ("spec-negative-v", "layer_specs.0.head_size_v", -1, "layer_specs[0].head_size_v", ">= 0"),
+    ("mamba-key-on-attention", "layer_specs.0.shapes", [[1]], "layer_specs[0].shapes", "unknown key"),
+    ("attention-key-on-mamba", "layer_specs.1.head_size", 128, "layer_specs[1].head_size", "unknown key"),
+    ("sw-without-window", "layer_specs.0.kind", "sliding_window", "layer_specs[0].sliding_window", "missing"),
+    ("chunk-without-size", "layer_specs.0.kind", "chunked_local", "layer_specs[0].attention_chunk_size", "missing"),
+    ("empty-layer-specs", "layer_specs", [], "layer_specs", "expected a non-empty array of tables"),
+    ("layer-spec-not-table", "layer_specs", [1], "layer_specs[0]", "expected a table"),
+]
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "key", "words"), [c[1:] for c in SPEC_BAD_CASES], ids=[c[0] for c in SPEC_BAD_CASES]
+)
+def test_bad_spec_level(path, value, key, words):
+    data = mutate(SPEC_LEVEL, path, value)
+    with pytest.raises(ScenarioError) as exc:
+        scenario_from_dict(data, "spec.toml")
+    assert (exc.value.source, exc.value.key) == ("spec.toml", key)
+    assert words in exc.value.problem
+
+
+def test_spec_level_bad_file_on_disk(tmp_path):
+    err = load_error(tmp_path, mutate(SPEC_LEVEL, "layer_specs.1.dtypes", ["float32"]))
+    assert err.key == "layer_specs[1].dtypes"
+
+
+def test_both_model_and_layer_specs(tmp_path):
+    data = {**BASE, "layer_specs": SPEC_LEVEL["layer_specs"]}
+    err = load_error(tmp_path, data)
+    assert (err.key, err.problem) == ("model", "expected exactly one of [model] or [[layer_specs]]")
+
+
+def test_neither_model_nor_layer_specs(tmp_path):
+    err = load_error(tmp_path, mutate(BASE, "model"))
+    assert (err.key, err.problem) == ("model", "expected exactly one of [model] or [[layer_specs]]")
+
+
+# --------------------------------------------------------------------------- with_runtime()
+
+
+def test_with_runtime_changes_and_drops_expectations():
+    s = scenario_from_dict(BASE, "base.toml")
+    t = s.with_runtime(block_size=32, user_specified_block_size=True, num_gpu_blocks_override=100)
+    assert (t.runtime.block_size, t.runtime.user_specified_block_size) == (32, True)
+    assert t.runtime.num_gpu_blocks_override == 100
+    assert (t.expect, t.expect_external) == ({}, {})
+    assert s.runtime.block_size == 16  # the original is unchanged
+    assert t.with_runtime(num_gpu_blocks_override=None).runtime.num_gpu_blocks_override is None
+    assert t.with_runtime(num_speculative_tokens=0).runtime.num_speculative_tokens == 0
+
+
+@pytest.mark.parametrize(
+    ("changes", "key", "words"),
+    [
+        ({"block_size": 0}, "runtime.block_size", "expected an integer >= 1, got 0"),
+        ({"block_size": "32"}, "runtime.block_size", "expected an integer >= 1, got '32'"),
+        ({"block_size": 16.0}, "runtime.block_size", "expected an integer"),
+        ({"max_model_len": True}, "runtime.max_model_len", "expected an integer"),
+        ({"num_speculative_tokens": -1}, "runtime.num_speculative_tokens", "expected an integer >= 0"),
+        ({"num_gpu_blocks_override": 0}, "runtime.num_gpu_blocks_override", "expected an integer >= 1"),
+        ({"kv_cache_dtype": "fp9"}, "runtime.kv_cache_dtype", "expected one of auto"),
+        ({"mamba_cache_mode": "all"}, "runtime.mamba_cache_mode", "expected one of none, align"),
+        ({"unify_policy": "lcm-ish"}, "runtime.unify_policy", "expected one of"),
+        ({"user_specified_block_size": 1}, "runtime.user_specified_block_size", "expected true or false"),
+    ],
+)
+def test_with_runtime_validates(changes, key, words):
+    s = scenario_from_dict(BASE, "base.toml")
+    with pytest.raises(ScenarioError) as exc:
+        s.with_runtime(**changes)
+    assert (exc.value.source, exc.value.key) == ("base.toml", key)
+    assert words in exc.value.problem
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=TypeError,
+    reason=(
+        "REFERENCE BUG: scenario.py Scenario.with_runtime(bogus=1) raises TypeError from "
+        "dataclasses.replace (RuntimeSettings.__init__() got an unexpected keyword argument) instead of "
+        "a ScenarioError naming runtime.bogus, so `kvconform plan --set bogus=1` leaks a TypeError"
+    ),
+)
+def test_bug_with_runtime_unknown_setting_is_a_scenario_error():
+    s = scenario_from_dict(BASE, "base.toml")
+    with pytest.raises(ScenarioError) as exc:
+        s.with_runtime(gpu_memory_utilization=0.9)
+    assert exc.value.key == "runtime.gpu_memory_utilization"
+
+
+def test_runtime_defaults():
+    s = scenario_from_dict(mutate(BASE, "runtime"), "base.toml")
+    assert s.runtime == RuntimeSettings()
