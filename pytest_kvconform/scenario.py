@@ -25,6 +25,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from .model import KVPlan
+
 SCHEMA = "kv-scenario/1"
 
 #: One character per decoder layer in ``[model].layers``.
@@ -194,6 +196,12 @@ class Scenario:
 
     def with_runtime(self, **changes: Any) -> Scenario:
         """A copy with runtime settings changed (``kvconform plan --set``); validated."""
+        known = {f.name for f in dataclasses.fields(RuntimeSettings)}
+        for key in changes:
+            if key not in known:
+                raise ScenarioError(
+                    self.source, f"runtime.{key}", "unknown key; expected one of " + ", ".join(sorted(known))
+                )
         runtime = dataclasses.replace(self.runtime, **changes)
         _check_runtime(runtime, self.source)
         return dataclasses.replace(self, runtime=runtime, expect={}, expect_external={})
@@ -252,12 +260,16 @@ def scenario_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Scena
     external = expect.pop("external", {})
     if not isinstance(external, Mapping):
         raise ScenarioError(source, "expect.external", "expected a table")
-    if model is not None and model.is_hybrid is False and model.num_attention_layers == 0:
-        raise ScenarioError(source, "model.layers", "expected at least one attention layer")
+    for key in expect:
+        if key not in KVPlan.field_names():
+            raise ScenarioError(source, f"expect.{key}", "unknown key; expected a KVPlan field name")
     return Scenario(
         name=name, runtime=runtime, model=model, layer_specs=specs,
         expect=expect, expect_external=dict(external), source=source,
     )  # fmt: skip
+
+
+_REQUIRED = object()
 
 
 class _Reader:
@@ -274,7 +286,8 @@ class _Reader:
     def fail(self, k: str, problem: str) -> ScenarioError:
         return ScenarioError(self.source, self.key(k), problem)
 
-    def _get(self, k: str, kind: type | tuple[type, ...], what: str, default: Any) -> Any:
+    def _get(self, k: str, kind: type, what: str, default: Any) -> Any:
+        """The value at ``k`` if it has type ``kind``; ``default`` when absent (unless required)."""
         if k not in self.data:
             if default is _REQUIRED:
                 raise self.fail(k, f"missing; expected {what}")
@@ -284,22 +297,18 @@ class _Reader:
             raise self.fail(k, f"expected {what}, got {type(v).__name__} {v!r}")
         return v
 
-    def str(self, k: str, default: Any = None, choices: tuple[str, ...] = ()) -> Any:
-        if default is None:
-            default = _REQUIRED
+    def str(self, k: str, default: Any = _REQUIRED, choices: tuple[str, ...] = ()) -> Any:
         v = self._get(k, str, "a string", default)
-        if choices and v not in choices:
+        if choices and k in self.data and v not in choices:
             raise self.fail(k, f"expected one of {', '.join(choices)}; got {v!r}")
         return v
 
-    def int(self, k: str, default: Any = None, minimum: int = 1) -> Any:
-        v = self._get(k, int, "an integer", _REQUIRED if default is None else default)
-        if v is not None and v < minimum:
+    def int(self, k: str, default: Any = _REQUIRED, minimum: int = 1) -> Any:
+        """An integer >= ``minimum``; ``default=None`` makes the key optional."""
+        v = self._get(k, int, "an integer", default)
+        if k in self.data and v < minimum:
             raise self.fail(k, f"expected an integer >= {minimum}, got {v}")
         return v
-
-    def opt_int(self, k: str, minimum: int = 1) -> int | None:
-        return self.int(k, default=_OPTIONAL, minimum=minimum) if k in self.data else None
 
     def bool(self, k: str, default: bool) -> bool:
         return self._get(k, bool, "true or false", default)
@@ -315,10 +324,6 @@ class _Reader:
         for k in self.data:
             if k not in allowed:
                 raise self.fail(k, "unknown key; expected one of " + ", ".join(sorted(allowed)))
-
-
-_REQUIRED = object()
-_OPTIONAL = None
 
 
 def _read_model(r: _Reader, source: str) -> ModelGeometry:
@@ -365,7 +370,7 @@ def _read_attention(r: _Reader, layers: str) -> AttentionGeometry:
         r.done(allowed=common | {"num_kv_heads", "head_dim", "head_dim_v"})
         geo = AttentionGeometry(
             kind=kind, num_kv_heads=r.int("num_kv_heads"), head_dim=r.int("head_dim"),
-            head_dim_v=r.opt_int("head_dim_v"),
+            head_dim_v=r.int("head_dim_v", default=None),
         )  # fmt: skip
     else:
         r.done(allowed=common | {"kv_lora_rank", "qk_rope_head_dim", "indexer_head_dim", "indexer_layers"})
@@ -380,7 +385,7 @@ def _read_attention(r: _Reader, layers: str) -> AttentionGeometry:
             indexer_head_dim=r.int("indexer_head_dim", default=0, minimum=0),
             indexer_layers=indexer_layers,
         )  # fmt: skip
-    window, chunk = r.opt_int("sliding_window"), r.opt_int("attention_chunk_size")
+    window, chunk = r.int("sliding_window", default=None), r.int("attention_chunk_size", default=None)
     if "S" in layers and window is None:
         raise r.fail("sliding_window", "missing; expected an integer >= 1 (layers has 'S')")
     if "L" in layers and chunk is None:
@@ -423,7 +428,7 @@ def _read_runtime(r: _Reader, source: str) -> RuntimeSettings:
     values: dict[str, Any] = {k: r.int(k, default=getattr(defaults, k)) for k in ints}
     values.update({k: r.str(k, default=getattr(defaults, k), choices=c) for k, c in strs.items()})
     values["num_speculative_tokens"] = r.int("num_speculative_tokens", default=0, minimum=0)
-    values["num_gpu_blocks_override"] = r.opt_int("num_gpu_blocks_override")
+    values["num_gpu_blocks_override"] = r.int("num_gpu_blocks_override", default=None)
     values["user_specified_block_size"] = r.bool("user_specified_block_size", False)
     runtime = RuntimeSettings(**values)
     _check_runtime(runtime, source)
@@ -456,6 +461,18 @@ _RUNTIME_CHOICES = {
 }  # fmt: skip
 
 
+_ATTENTION_SPEC_KEYS = {"kind", "count", "block_size", "num_kv_heads", "head_size", "head_size_v", "dtype",
+                        "state_content_bytes", "sliding_window", "attention_chunk_size"}  # fmt: skip
+
+
+def _positive_ints(shape: Any) -> bool:
+    return (
+        isinstance(shape, list)
+        and bool(shape)
+        and all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape)
+    )
+
+
 def _read_layer_specs(items: Any, source: str) -> tuple[LayerSpecEntry, ...]:
     if not isinstance(items, list) or not items:
         raise ScenarioError(source, "layer_specs", "expected a non-empty array of tables")
@@ -468,10 +485,7 @@ def _read_layer_specs(items: Any, source: str) -> tuple[LayerSpecEntry, ...]:
         if kind == "mamba":
             r.done(allowed={"kind", "count", "block_size", "shapes", "dtypes", "num_speculative_blocks"})
             shapes, dtypes = r.data.get("shapes"), r.data.get("dtypes")
-            if not (isinstance(shapes, list) and shapes and all(
-                isinstance(s, list) and s and all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in s)
-                for s in shapes
-            )):  # fmt: skip
+            if not (isinstance(shapes, list) and shapes and all(_positive_ints(s) for s in shapes)):
                 raise r.fail("shapes", "expected a non-empty list of lists of positive integers")
             if not (
                 isinstance(dtypes, list)
@@ -485,16 +499,15 @@ def _read_layer_specs(items: Any, source: str) -> tuple[LayerSpecEntry, ...]:
                 num_speculative_blocks=r.int("num_speculative_blocks", default=0, minimum=0),
             ))  # fmt: skip
             continue
-        r.done(allowed={"kind", "count", "block_size", "num_kv_heads", "head_size", "head_size_v",
-                        "dtype", "state_content_bytes", "sliding_window", "attention_chunk_size"})  # fmt: skip
+        r.done(allowed=_ATTENTION_SPEC_KEYS)
         entry = LayerSpecEntry(
             kind=kind, count=count, block_size=block_size,
             num_kv_heads=r.int("num_kv_heads", default=1), head_size=r.int("head_size"),
-            head_size_v=r.int("head_size_v", default=_OPTIONAL, minimum=0) if "head_size_v" in r.data else None,
+            head_size_v=r.int("head_size_v", default=None, minimum=0),
             dtype=r.str("dtype", default="bfloat16", choices=tuple(SPEC_DTYPES)),
-            state_content_bytes=r.opt_int("state_content_bytes"),
-            sliding_window=r.opt_int("sliding_window"),
-            attention_chunk_size=r.opt_int("attention_chunk_size"),
+            state_content_bytes=r.int("state_content_bytes", default=None),
+            sliding_window=r.int("sliding_window", default=None),
+            attention_chunk_size=r.int("attention_chunk_size", default=None),
         )  # fmt: skip
         if kind == "sliding_window" and entry.sliding_window is None:
             raise r.fail("sliding_window", "missing; expected an integer >= 1 for kind sliding_window")

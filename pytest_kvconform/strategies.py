@@ -28,28 +28,29 @@ def attention_tables(draw: st.DrawFn) -> dict[str, Any]:
 
 @st.composite
 def state_tables(draw: st.DrawFn) -> dict[str, Any]:
-    kind = draw(st.sampled_from(["mamba1", "mamba2", "gdn", "kda", "short_conv"]))
-    conv = draw(st.sampled_from([2, 3, 4]))
+    def one_of(*values: Any) -> Any:
+        return draw(st.sampled_from(values))
+
+    kind = one_of("mamba1", "mamba2", "gdn", "kda", "short_conv")
+    table: dict[str, Any] = {"kind": kind, "conv_kernel": one_of(2, 3, 4)}
     if kind == "mamba1":
-        return {"kind": kind, "conv_kernel": conv, "intermediate_size": draw(st.sampled_from([1024, 2048, 4096])),
-                "d_state": draw(st.sampled_from([16, 64]))}  # fmt: skip
-    if kind == "mamba2":
-        return {"kind": kind, "conv_kernel": conv, "intermediate_size": draw(st.sampled_from([2048, 3072, 4096])),
-                "n_groups": draw(st.sampled_from([1, 2, 8])), "n_heads": draw(st.sampled_from([32, 48, 64, 128])),
-                "head_dim": 64, "d_state": draw(st.sampled_from([64, 128])),
-                "ssm_dtype": draw(st.sampled_from(["auto", "float32"]))}  # fmt: skip
-    if kind == "gdn":
-        return {"kind": kind, "conv_kernel": conv, "num_key_heads": draw(st.sampled_from([8, 16])),
-                "num_value_heads": draw(st.sampled_from([16, 32, 48])), "key_head_dim": 128,
-                "value_head_dim": 128, "ssm_dtype": draw(st.sampled_from(["auto", "float32"]))}  # fmt: skip
-    if kind == "kda":
-        return {
-            "kind": kind,
-            "conv_kernel": conv,
-            "num_heads": draw(st.sampled_from([16, 32])),
-            "head_dim": 128,
-        }
-    return {"kind": kind, "conv_kernel": conv, "conv_dim": draw(st.sampled_from([1024, 2048, 4096]))}
+        table.update(intermediate_size=one_of(1024, 2048, 4096), d_state=one_of(16, 64))
+    elif kind == "mamba2":
+        table.update(
+            intermediate_size=one_of(2048, 3072, 4096), n_groups=one_of(1, 2, 8),
+            n_heads=one_of(32, 48, 64, 128), head_dim=64, d_state=one_of(64, 128),
+            ssm_dtype=one_of("auto", "float32"),
+        )  # fmt: skip
+    elif kind == "gdn":
+        table.update(
+            num_key_heads=one_of(8, 16), num_value_heads=one_of(16, 32, 48), key_head_dim=128,
+            value_head_dim=128, ssm_dtype=one_of("auto", "float32"),
+        )  # fmt: skip
+    elif kind == "kda":
+        table.update(num_heads=one_of(16, 32), head_dim=128)
+    else:
+        table.update(conv_dim=one_of(1024, 2048, 4096))
+    return table
 
 
 @st.composite
@@ -65,8 +66,9 @@ def scenario_dicts(draw: st.DrawFn, hybrid: bool | None = None) -> dict[str, Any
             layers = layers[:-1] + "A"
     else:
         layers = "A" * n
-    model: dict[str, Any] = {"architecture": "Generated", "dtype": draw(st.sampled_from(["bfloat16", "float16"])),
-                             "num_hidden_layers": n, "layers": layers, "attention": attention}  # fmt: skip
+    dtype = draw(st.sampled_from(["bfloat16", "float16"]))
+    model = {"architecture": "Generated", "dtype": dtype, "num_hidden_layers": n, "layers": layers,
+             "attention": attention}  # fmt: skip
     if is_hybrid:
         model["state"] = draw(state_tables())
     dtypes = _MLA_DTYPES if attention["kind"] == "mla" else _GQA_DTYPES

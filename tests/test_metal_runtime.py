@@ -125,7 +125,10 @@ class Case:
 
 
 def test_package_import_does_not_import_mlx() -> None:
-    code = "import sys, pytest_kvconform.metal_runtime as m; m.pick_kernel_block_size(16); print('mlx' in sys.modules)"
+    code = (
+        "import sys, pytest_kvconform.metal_runtime as m; "
+        "m.pick_kernel_block_size(16); print('mlx' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -135,7 +138,16 @@ def test_package_import_does_not_import_mlx() -> None:
 
 @pytest.mark.parametrize(
     ("block_size", "kernel", "ratio"),
-    [(160, 32, 5), (544, 32, 17), (144, 16, 9), (48, 16, 3), (24, 8, 3), (1808, 16, 113), (16, 16, 1), (8, 8, 1)],
+    [
+        (160, 32, 5),
+        (544, 32, 17),
+        (144, 16, 9),
+        (48, 16, 3),
+        (24, 8, 3),
+        (1808, 16, 113),
+        (16, 16, 1),
+        (8, 8, 1),
+    ],
 )
 def test_pick_kernel_block_size(block_size: int, kernel: int, ratio: int) -> None:
     assert KERNEL_BLOCK_SIZES == (32, 16, 8)
@@ -267,7 +279,7 @@ def test_large_sink_scales_output_towards_zero() -> None:
     """A sink logit far above every score leaves only ``exp(s-sink)/...`` weight: output -> 0."""
     case = Case([20], [1], seed=6)
     out = case.paged(sinks=mx.full((case.hq,), 60.0, dtype=mx.float32))
-    assert np.abs(out).max() < 1e-12 + 1e-20
+    assert np.abs(out).max() < 1e-12
 
 
 def test_rejects_bad_metadata() -> None:
@@ -293,7 +305,6 @@ def test_translated_block_size_matches_kernel_block(logical: int, kernel: int) -
     seq_lens, q_lens = [logical + 37, 2 * logical + 1, 9], [1, 3, 9]
     big = Case(seq_lens, q_lens, block_size=logical, seed=7, spare_blocks=2)
     small = Case(seq_lens, q_lens, block_size=kernel, seed=7, spare_blocks=2)
-    assert big.num_blocks * logical != small.num_blocks * kernel or True
     out_big = big.check(sliding_window=300)
     out_small = small.check(sliding_window=300)
     np.testing.assert_allclose(out_big, out_small, atol=1e-6, rtol=1e-6)
@@ -311,7 +322,14 @@ def test_translated_block_size_matches_kernel_block(logical: int, kernel: int) -
     use_sinks=st.booleans(),
 )
 def test_property_paged_matches_dense(
-    data: st.DataObject, num_seqs: int, hkv: int, group: int, d: int, block_size: int, window: int, use_sinks: bool
+    data: st.DataObject,
+    num_seqs: int,
+    hkv: int,
+    group: int,
+    d: int,
+    block_size: int,
+    window: int,
+    use_sinks: bool,
 ) -> None:
     seq_lens = [data.draw(st.integers(1, 70)) for _ in range(num_seqs)]
     q_lens = [data.draw(st.integers(0, min(n, 6))) for n in seq_lens]
@@ -326,7 +344,11 @@ def test_property_paged_matches_dense(
 
 
 def test_pool_bytes_from_allocation() -> None:
-    layers = [attention_layer(4, 64, "bfloat16"), attention_layer(2, 128, "float32"), mla_layer(512, 64, "bfloat16")]
+    layers = [
+        attention_layer(4, 64, "bfloat16"),
+        attention_layer(2, 128, "float32"),
+        mla_layer(512, 64, "bfloat16"),
+    ]
     pool = KVPool(layers, num_blocks=10, block_size=16)
     # first principles: K+V = 2*bs*H*D*itemsize; MLA latent = bs*(rank+rope)*itemsize (1x)
     expected = 2 * 16 * 4 * 64 * 2 + 2 * 16 * 2 * 128 * 4 + 16 * 576 * 2
@@ -339,9 +361,11 @@ def test_pool_bytes_from_allocation() -> None:
 
 
 def test_pool_state_slots() -> None:
-    """GDN state of Qwen3.5-0.8B: conv (3, 6144) bf16 + recurrent (16,128,128) fp32 = 1,085,440 B (notes §A.2)."""
+    """Qwen3.5-0.8B GDN state: conv (3, 6144) bf16 + recurrent (16,128,128) fp32 = 1,085,440 B (§A.2)."""
     gdn = state_layer((3, 6144), "bfloat16", (16, 128, 128), "float32")
-    pool = KVPool([attention_layer(2, 256, "bfloat16"), gdn, gdn], num_blocks=3, block_size=32, num_state_slots=2)
+    pool = KVPool(
+        [attention_layer(2, 256, "bfloat16"), gdn, gdn], num_blocks=3, block_size=32, num_state_slots=2
+    )
     assert pool.caches[1]["recurrent"].dtype == mx.float32
     assert pool.caches[1]["conv"].dtype == mx.bfloat16
     assert pool.state_bytes_per_slot() == 2 * 1_085_440
@@ -361,7 +385,9 @@ def test_one_sequence_bytes_notes_vector() -> None:
     )
 
 
-def fill_and_attend(pool: KVPool, layer: int, n_tokens: int, rows: list[int], hq: int, q_tail: int = 1) -> None:
+def fill_and_attend(
+    pool: KVPool, layer: int, n_tokens: int, rows: list[int], hq: int, q_tail: int = 1
+) -> None:
     """Write ``n_tokens`` into one layer through slot mapping, then attend and compare with dense."""
     lay = pool.layers[layer]
     dtype, bs = lay.dtype, pool.block_size
@@ -406,7 +432,9 @@ def test_granite_block_400_needs_aligned_estimate() -> None:
     from pytest_kvconform.scenario import load_scenario
 
     layers = layers_from_scenario(load_scenario("granite-4.0-h-tiny"), include_state=False)
-    assert [(x.kind, x.num_kv_heads, x.head_dim, x.dtype) for x in layers] == [("attention", 4, 128, "bfloat16")] * 4
+    assert [(x.kind, x.num_kv_heads, x.head_dim, x.dtype) for x in layers] == [
+        ("attention", 4, 128, "bfloat16")
+    ] * 4
     per_block = KVPool(layers, 1, 400).bytes_per_block()
     assert per_block // 400 == 8192  # scenario expect kv_bytes_per_token = 2*4*4*128*2
 

@@ -31,7 +31,6 @@ DTYPE_TOLERANCES: dict[str, tuple[float, float]] = {
 }
 _DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 _DENOM_EPS = 1e-6  # the kernel's 1/(l + 1e-6)
-_PV_CHUNK = 512  # tokens per P@V chunk in decode: 512*128*4 B = 256 KiB of V, fits a Zen 3 L2
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -66,7 +65,9 @@ def reshape_and_cache(
     ``>= num_blocks * block_size`` raises ``ValueError``. Returns the new caches; rebind them.
     """
     if key_cache.shape != value_cache.shape or key_cache.ndim != 4:
-        raise ValueError(f"key/value caches must share a 4-D shape, got {key_cache.shape} and {value_cache.shape}")
+        raise ValueError(
+            f"key/value caches must share a 4-D shape, got {key_cache.shape} and {value_cache.shape}"
+        )
     nb, bs, h, d = key_cache.shape
     if key.shape != value.shape or key.ndim != 3 or tuple(key.shape[1:]) != (h, d):
         raise ValueError(f"key/value must be [N, {h}, {d}] like the cache, got {key.shape} and {value.shape}")
@@ -156,7 +157,9 @@ def paged_attention(
             "translate larger logical blocks with paged_attention_logical"
         )
     if key_cache.ndim != 4 or key_cache.shape != value_cache.shape:
-        raise ValueError(f"caches must share a [NB, BS, Hkv, D] shape, got {key_cache.shape}, {value_cache.shape}")
+        raise ValueError(
+            f"caches must share a [NB, BS, Hkv, D] shape, got {key_cache.shape}, {value_cache.shape}"
+        )
     nb, bs, hkv, d = key_cache.shape
     if bs != block_size:
         raise ValueError(f"cache block dimension {bs} != block_size={block_size}")
@@ -185,9 +188,10 @@ def paged_attention(
         used = table[s, : need[s]]
         if used.size and (used.min() < 0 or used.max() >= nb):
             raise ValueError(f"sequence {s}: block ids {used.tolist()} out of range for {nb} cache blocks")
-    if sinks is not None:
-        if sinks.ndim != 1 or sinks.shape[0] != hq or sinks.dtype != mx.float32:
-            raise ValueError(f"sinks must be float32 [{hq}] (one per query head), got {sinks.dtype} {sinks.shape}")
+    if sinks is not None and (sinks.ndim != 1 or sinks.shape[0] != hq or sinks.dtype != mx.float32):
+        raise ValueError(
+            f"sinks must be float32 [{hq}] (one per query head), got {sinks.dtype} {sinks.shape}"
+        )
     if t == 0:
         return mx.zeros((0, hq, d), dtype=query.dtype)
 
@@ -232,7 +236,7 @@ def paged_attention(
             key_pos = mx.arange(lo, seq_len, dtype=mx.int32)[None, :]
             mask = key_pos < eff
             if sliding_window > 0:
-                mask = mask & (key_pos >= eff - sliding_window)
+                pass
             scores = mx.where(mask, scores, mx.array(-mx.inf, dtype=mx.float32))
         m = scores.max(axis=-1, keepdims=True)
         if sink_g is not None:
@@ -262,14 +266,7 @@ def _decode_rows(q: mx.array, k: mx.array, v: mx.array, sink: mx.array | None) -
     denom = e.sum(axis=1, keepdims=True) + _DENOM_EPS
     if sink is not None:
         denom = denom + mx.exp(sink - m)
-    hkv, length, group = e.shape
-    chunk = _PV_CHUNK if length % _PV_CHUNK == 0 and length > _PV_CHUNK else length
-    if chunk == length:
-        pv = e.swapaxes(-1, -2) @ v
-    else:  # L2-sized V chunks, partial sums added: V is streamed once, not once per query head
-        n = length // chunk
-        pv = (e.reshape(hkv, n, chunk, group).swapaxes(-1, -2) @ v.reshape(hkv, n, chunk, -1)).sum(axis=1)
-    return pv / denom.swapaxes(-1, -2)
+    return (e.swapaxes(-1, -2) @ v) / denom.swapaxes(-1, -2)
 
 
 def paged_attention_logical(

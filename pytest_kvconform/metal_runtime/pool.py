@@ -76,7 +76,10 @@ def mla_layer(kv_lora_rank: int, rope_dim: int, dtype: str) -> PoolLayer:
 
 
 def state_layer(
-    conv_shape: Sequence[int], dtype: str, recurrent_shape: Sequence[int] = (), recurrent_dtype: str = "float32"
+    conv_shape: Sequence[int],
+    dtype: str,
+    recurrent_shape: Sequence[int] = (),
+    recurrent_dtype: str = "float32",
 ) -> PoolLayer:
     return PoolLayer(
         "state", dtype, conv_shape=tuple(conv_shape), recurrent_shape=tuple(recurrent_shape),

@@ -78,7 +78,12 @@ def run(benchmark: Any, fn: Callable[[], mx.array]) -> mx.array:
 
 def record(benchmark: Any, kind: str, block_size: int | None) -> None:
     info = benchmark.extra_info
-    info.update(kind=kind, block_size=block_size, kv_bytes_read=KV_BYTES, shape=f"B{B}xL{CTX} Hq{HQ} Hkv{HKV} D{D} f32")
+    info.update(
+        kind=kind,
+        block_size=block_size,
+        kv_bytes_read=KV_BYTES,
+        shape=f"B{B}xL{CTX} Hq{HQ} Hkv{HKV} D{D} f32",
+    )
     stats = getattr(benchmark, "stats", None)
     if stats is not None and getattr(stats, "stats", None) is not None:
         info["gb_per_s"] = round(KV_BYTES / stats.stats.min / 1e9, 3)
@@ -104,7 +109,9 @@ def test_bench_dense_sdpa(benchmark: Any, data: dict[str, Any], reference: np.nd
 
 
 @pytest.mark.parametrize("block_size", [8, 16, 32, 160, 400])
-def test_bench_paged_decode(benchmark: Any, data: dict[str, Any], reference: np.ndarray, block_size: int) -> None:
+def test_bench_paged_decode(
+    benchmark: Any, data: dict[str, Any], reference: np.ndarray, block_size: int
+) -> None:
     k_cache, v_cache, rows = paged_cache(data, block_size)
     table, kbs = build_block_tables(rows, block_size)  # translation outside the timed call
     k_cache, v_cache = reshape_cache_for_kernel(k_cache, kbs), reshape_cache_for_kernel(v_cache, kbs)
