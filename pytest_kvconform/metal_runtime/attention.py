@@ -236,7 +236,7 @@ def paged_attention(
             key_pos = mx.arange(lo, seq_len, dtype=mx.int32)[None, :]
             mask = key_pos < eff
             if sliding_window > 0:
-                pass
+                mask = mask & (key_pos >= eff - sliding_window)
             scores = mx.where(mask, scores, mx.array(-mx.inf, dtype=mx.float32))
         m = scores.max(axis=-1, keepdims=True)
         if sink_g is not None:

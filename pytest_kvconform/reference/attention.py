@@ -69,6 +69,7 @@ def attention_spec(
             kind="mla" if kind == "full_attention" else kind, block_size=block_size, num_kv_heads=1,
             head_size=head, head_size_v=0, dtype=dtype, state_content_bytes=content,
             sliding_window=geometry.sliding_window if kind == "sliding_window" else None,
+            attention_chunk_size=geometry.attention_chunk_size if kind == "chunked_local" else None,
         )  # fmt: skip
     heads = max(1, geometry.num_kv_heads // tensor_parallel_size)
     d = geometry.head_dim

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from ..scenario import Scenario
@@ -59,19 +60,14 @@ def one_sequence_tokens(max_model_len: int, block_size: int) -> int:
 
 
 def linear_cache_bytes_per_slot(scenario: Scenario) -> int:
-    """One state layer's slot on Metal: conv state in its dtype, recurrent state in fp32."""
+    """``linear_cache_bytes_per_slot`` per state layer: the conv state ``(K - 1, conv_dim)`` in
+    its dtype (no speculative rows, no TP split) plus the recurrent state in fp32 (PR #243)."""
     model, rt = scenario.model, scenario.runtime
     assert model is not None and model.state is not None
-    shapes = state_shapes(model.state, 1, rt.num_speculative_tokens)
+    conv_shape, *recurrent_shapes = state_shapes(model.state)
     conv_dtype, _ = mamba_dtypes(model.state.kind, model.dtype, rt.mamba_cache_dtype, "float32")
-    conv = shapes[0][0] * shapes[0][1] * DTYPE_SIZE[conv_dtype]
-    recurrent = 0
-    for shape in shapes[1:]:
-        n = 1
-        for d in shape:
-            n *= d
-        recurrent += n * DTYPE_SIZE["float32"]
-    return conv + recurrent
+    recurrent = sum(math.prod(shape) for shape in recurrent_shapes) * DTYPE_SIZE["float32"]
+    return math.prod(conv_shape) * DTYPE_SIZE[conv_dtype] + recurrent
 
 
 def one_sequence_kv_bytes(scenario: Scenario, block_size: int, state_page_padded: int | None = None) -> int:
