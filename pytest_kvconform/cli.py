@@ -11,10 +11,17 @@ import dataclasses
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from .scenario import RuntimeSettings, ScenarioError, load_scenario, packaged_scenario_names
 
 _RUNTIME_KEYS = tuple(f.name for f in dataclasses.fields(RuntimeSettings))
+
+
+def suites_path() -> Path:
+    """The conformance suites: inside the installed wheel, or beside the package in a checkout."""
+    packaged = Path(__file__).parent / "suites"
+    return packaged if packaged.is_dir() else Path(__file__).resolve().parents[1] / "suites"
 
 
 def _parse_set(item: str) -> tuple[str, object]:
@@ -48,10 +55,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--backend", default="reference", help="backend to plan with (default: reference)")
     sub.add_parser("list", help="list the packaged scenarios")
+    sub.add_parser("suites", help="print the folder of the shipped conformance suites (for pytest)")
     args = parser.parse_args(argv)
 
     if args.command == "list":
         print("\n".join(packaged_scenario_names()))
+        return 0
+    if args.command == "suites":
+        print(suites_path())
         return 0
     try:
         scenario = load_scenario(args.scenario)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, note, settings
+from hypothesis import HealthCheck, assume, given, note, settings
 
 from pytest_kvconform.conformance import call_rule
 from pytest_kvconform.scenario import Scenario, scenario_from_dict
@@ -19,9 +19,11 @@ from pytest_kvconform.strategies import scenario_dicts, scenario_toml
 _settings = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-def _scenario(data: dict[str, Any]) -> Scenario:
+def _scenario(data: dict[str, Any], backend: Any) -> Scenario:
     note("counterexample scenario (kv-scenario/1):\n" + scenario_toml(data))
-    return scenario_from_dict(data, "<hypothesis>")
+    scenario = scenario_from_dict(data, "<hypothesis>")
+    assume(not (hasattr(backend, "unsupported") and backend.unsupported(scenario)))
+    return scenario
 
 
 def _both(
@@ -41,7 +43,7 @@ def _both(
 @_settings
 @given(data=scenario_dicts(hybrid=True))
 def test_hybrid_alignment_generated(kv_backend: Any, kv_reference: Any, data: dict[str, Any]) -> None:
-    s = _scenario(data)
+    s = _scenario(data, kv_backend)
     expected, got = _both(kv_backend, kv_reference, "hybrid_alignment", "align_hybrid_block_size", s, s)
     if expected is not None:
         assert (got.block_size, got.page_size_bytes, got.state_page_padded_bytes) == (
@@ -53,7 +55,7 @@ def test_hybrid_alignment_generated(kv_backend: Any, kv_reference: Any, data: di
 @_settings
 @given(data=scenario_dicts())
 def test_grouping_generated(kv_backend: Any, kv_reference: Any, data: dict[str, Any]) -> None:
-    s = _scenario(data)
+    s = _scenario(data, kv_backend)
     try:
         specs = kv_reference.layer_specs(s)
     except (ValueError, NotImplementedError):
@@ -69,7 +71,7 @@ def test_grouping_generated(kv_backend: Any, kv_reference: Any, data: dict[str, 
 @_settings
 @given(data=scenario_dicts())
 def test_memory_generated(kv_backend: Any, kv_reference: Any, data: dict[str, Any]) -> None:
-    s = _scenario(data)
+    s = _scenario(data, kv_backend)
     try:
         specs = kv_reference.layer_specs(s)
     except (ValueError, NotImplementedError):
@@ -83,7 +85,7 @@ def test_memory_generated(kv_backend: Any, kv_reference: Any, data: dict[str, An
 @_settings
 @given(data=scenario_dicts())
 def test_one_sequence_generated(kv_backend: Any, kv_reference: Any, data: dict[str, Any]) -> None:
-    s = _scenario(data)
+    s = _scenario(data, kv_backend)
     expected, got = _both(kv_backend, kv_reference, "one_sequence", "one_sequence_bytes", s, s)
     assert got == expected
 
@@ -92,7 +94,7 @@ def test_one_sequence_generated(kv_backend: Any, kv_reference: Any, data: dict[s
 @_settings
 @given(data=scenario_dicts())
 def test_plan_generated(kv_backend: Any, kv_reference: Any, data: dict[str, Any]) -> None:
-    s = _scenario(data)
+    s = _scenario(data, kv_backend)
     expected, got = _both(kv_backend, kv_reference, "plan", "plan", s, s)
     if expected is not None:
         assert got.to_dict() == expected.to_dict()

@@ -4,8 +4,6 @@ Every example is a TOML-like dict turned into a :class:`Scenario` by ``scenario_
 so a shrunk failure prints as a scenario file. The strategies only build scenarios the
 reference is meant to plan: TP divides every state dimension, KDA never gets a float16
 recurrent state, FlashInfer nvfp4 keeps ``head_dim_v == head_dim``, no ROCm ``octave_*``.
-MLA models get no chunked-local ``L`` layers (a known reference bug, pinned by
-``test_reference_rules.py::test_bug_mla_chunked_local_layer_keeps_chunk_size``).
 """
 
 from __future__ import annotations
@@ -125,7 +123,7 @@ def model_scenario_dicts(draw, hybrid: bool = False) -> dict[str, Any]:
     state_kinds = ["mamba1", "mamba2", "gdn", "kda", "short_conv"]
     state_kind = draw(st.sampled_from(state_kinds if hybrid else [None, *state_kinds]))
     n = draw(st.integers(2 if hybrid else 1, 40))
-    attention_codes = "AAASX" + ("L" if attn_kind == "gqa" else "")
+    attention_codes = "AAASXL"
     alphabet = attention_codes + "-" + ("MMMMP" if state_kind else "")
     layers = list(draw(st.text(alphabet=alphabet, min_size=n, max_size=n)))
     if not any(c in "ASLXP" for c in layers):

@@ -8,8 +8,7 @@ copied from running the reference. Abbreviations used in the citations:
 * ``anchors §4.1`` - shared/notes/harness-anchors.md section 4.1 (vLLM's own unit tests);
 * ``env §3`` - shared/notes/environment.md section 3 (spec API checks run against vLLM).
 
-Tests marked ``xfail(strict=True)`` with a ``REFERENCE BUG`` reason document a defect in
-``pytest_kvconform/reference``; they turn into an XPASS failure once it is fixed.
+The "regressions" section at the end pins defects this suite found in the reference.
 """
 
 from __future__ import annotations
@@ -995,19 +994,12 @@ def test_packaged_expect_reproduced(name):
             assert got[key] == pytest.approx(want, abs=0.01), f"external {key}"
 
 
-# --------------------------------------------------------------------------- reference bugs
+# --------------------------------------------------------------------------- regressions
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason=(
-        "REFERENCE BUG: attention.py attention_spec() MLA branch drops attention_chunk_size, so an MLA "
-        "model with an 'L' layer (accepted by the loader) crashes plan() with a bare AssertionError in "
-        "specs.py AttentionSpec.max_memory_usage_bytes"
-    ),
-)
-def test_bug_mla_chunked_local_layer_keeps_chunk_size():
+def test_mla_chunked_local_layer_keeps_chunk_size():
+    # Found by this suite: attention_spec()'s MLA branch dropped attention_chunk_size, so an MLA model with
+    # an 'L' layer crashed plan() with a bare AssertionError (fixed in 6dbd7ca).
     # scenario.py LAYER_CODES: "L" = chunked local attention ([model.attention].attention_chunk_size);
     # rules §5: ChunkedLocalAttentionSpec max memory = cdiv(min(chunk + F, L), bs) * P (no +1)
     mla = {"kind": "mla", "kv_lora_rank": 512, "qk_rope_head_dim": 64, "attention_chunk_size": 8192}
@@ -1016,4 +1008,4 @@ def test_bug_mla_chunked_local_layer_keeps_chunk_size():
     spec = layer_specs(s)["model.layers.1.self_attn"]
     assert spec.attention_chunk_size == 8192
     assert spec.max_memory_usage_bytes(s.runtime) == math.ceil(12_288 / 64) * 64 * 1152
-    plan(s)
+    assert plan(s).blocks_per_request == 2048 + 192  # full MLA cdiv(131072, 64) + chunked 192

@@ -238,10 +238,15 @@ def test_bad_model_level_file(tmp_path, path, value, key, words):
     assert "expected" in err.problem or "unknown" in err.problem
 
 
-def test_state_only_model_needs_an_attention_layer(tmp_path):
-    data = mutate(mutate(BASE, "model.layers", "MMMM"), "model.attention")
-    err = load_error(tmp_path, data)
-    assert (err.key, err.problem) == ("model.layers", "expected at least one attention layer")
+def test_pure_state_model_loads(tmp_path):
+    # a model with state layers only (e.g. a pure Mamba) needs no [model.attention]
+    s = load_scenario(write(tmp_path, mutate(mutate(BASE, "model.layers", "MMMM"), "model.attention")))
+    assert (s.model.num_attention_layers, s.model.num_state_layers, s.model.is_hybrid) == (0, 4, False)
+
+
+def test_unknown_expect_key(tmp_path):
+    err = load_error(tmp_path, mutate(BASE, "expect.blocksize", 400))
+    assert (err.key, err.problem) == ("expect.blocksize", "unknown key; expected a KVPlan field name")
 
 
 def test_mla_geometry_checks(tmp_path):
@@ -398,20 +403,15 @@ def test_with_runtime_validates(changes, key, words):
     assert words in exc.value.problem
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=TypeError,
-    reason=(
-        "REFERENCE BUG: scenario.py Scenario.with_runtime(bogus=1) raises TypeError from "
-        "dataclasses.replace (RuntimeSettings.__init__() got an unexpected keyword argument) instead of "
-        "a ScenarioError naming runtime.bogus, so `kvconform plan --set bogus=1` leaks a TypeError"
-    ),
-)
-def test_bug_with_runtime_unknown_setting_is_a_scenario_error():
+def test_with_runtime_unknown_setting_is_a_scenario_error():
+    # Found by this suite: with_runtime(bogus=1) leaked a TypeError from dataclasses.replace, so
+    # `kvconform plan --set bogus=1` crashed (fixed in 0c277de).
     s = scenario_from_dict(BASE, "base.toml")
     with pytest.raises(ScenarioError) as exc:
         s.with_runtime(gpu_memory_utilization=0.9)
-    assert exc.value.key == "runtime.gpu_memory_utilization"
+    assert (exc.value.source, exc.value.key) == ("base.toml", "runtime.gpu_memory_utilization")
+    assert exc.value.problem.startswith("unknown key; expected one of ")
+    assert "max_model_len" in exc.value.problem
 
 
 def test_runtime_defaults():

@@ -55,6 +55,14 @@ class ReferenceBackend:
     def policy_for(self, scenario: Scenario) -> str:
         return self.unify_policy or scenario.runtime.unify_policy
 
+    def unsupported(self, scenario: Scenario) -> str | None:
+        """Why this backend cannot model ``scenario`` at all, or None.
+
+        Generated (hypothesis) scenarios a backend rejects here are discarded, not failed;
+        packaged scenarios are still run, and their departures belong in ``known_failures``.
+        """
+        return None
+
     # -- dtype
     def kv_cache_dtype_bytes(self, kv_cache_dtype: str, model_dtype: str) -> int:
         return dtypes.kv_cache_dtype_bytes(kv_cache_dtype, model_dtype)

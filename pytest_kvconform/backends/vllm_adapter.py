@@ -328,6 +328,7 @@ class _MLALayerStandIn:
     sliding_window: int | None = None
     indexer: Any = None
     non_causal_multi_token_decode: bool = False
+    topk_buffer_width: int | None = None  # read by vLLM 0.33
 
 
 # --------------------------------------------------------------------------- the config view

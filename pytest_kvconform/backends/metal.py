@@ -1,0 +1,181 @@
+"""The ``metal`` backend: the bundled MLX paged-attention runtime, sized from real allocations.
+
+What vllm-metal takes from vLLM core (page specs, the hybrid alignment it delegates upstream,
+grouping, the admission check) is inherited from the reference. What vllm-metal computes
+itself comes from :mod:`pytest_kvconform.metal_runtime` and arrays it really allocates:
+
+* the kernel block size and the block-table split (``_pick_kernel_block_size``,
+  ``_build_block_tables``);
+* the bytes of one pool block (``get_cache_block_size_bytes``: the paged layers only) and
+  the number of blocks a budget holds (``_paged_attention_plan``: ``budget // per_block``);
+* the one-sequence estimate (``estimate_one_sequence_kv_bytes``).
+
+Like vllm-metal, the runtime stores K/V in the model dtype (float16, bfloat16 or float32)
+and never reads ``--kv-cache-dtype``; scenarios that ask for a packed or 8-bit cache are
+known failures of this backend, listed in :attr:`MetalBackend.known_failures`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+from ..model import KVPlan, MemoryCheck
+from ..reference import hybrid
+from ..reference.specs import AttentionSpec, KVCacheSpec
+from ..scenario import RuntimeSettings, Scenario
+from .base import ReferenceBackend
+
+_FP8_DS_MLA = (
+    "vllm-metal stores K/V in the model dtype and never reads --kv-cache-dtype (notes vllm-metal.md "
+    "A.1, F risk 2): the GLM-5 fp8_ds_mla latent (656 B/token) and its uint8 indexer cache are "
+    "allocated as a bf16 latent of 1152 B/token, so the pool's per-block bytes and block count differ"
+)
+_TURBOQUANT = (
+    "vllm-metal has its own TurboQuant (--additional-config, q8_0/q3_0 ...) and ignores vLLM's "
+    "turboquant_* kv_cache_dtype (notes vllm-metal.md A.1): the runtime allocates bf16 K+V "
+    "(2048 B/token for 2 heads x 256) instead of the 776 B/token k8v4 slots"
+)
+
+
+class MetalBackend(ReferenceBackend):
+    """vllm-metal's own sizing rules answered by the MLX runtime (Metal GPU on macOS, CPU on Linux)."""
+
+    name: ClassVar[str] = "metal"
+    capabilities: ClassVar[frozenset[str]] = frozenset({"allocation", "paged_attention"})
+    known_failures: ClassVar[Mapping[str, str]] = {
+        "plan::*glm-5-fp8-ds-mla*": _FP8_DS_MLA,
+        "memory::test_check_memory*glm-5-fp8-ds-mla*": _FP8_DS_MLA,
+        "plan::*turboquant*": _TURBOQUANT,
+        "memory::test_check_memory*turboquant*": _TURBOQUANT,
+    }
+
+    def __init__(self) -> None:
+        import mlx.core as mx  # ImportError here becomes the registry's install hint
+
+        self._mx = mx
+
+    def unsupported(self, scenario: Scenario) -> str | None:
+        model = scenario.model
+        kv_dtype = scenario.runtime.kv_cache_dtype
+        if kv_dtype not in ("auto", model.dtype if model is not None else None):
+            return f"the runtime stores K/V in the model dtype; kv_cache_dtype {kv_dtype!r} is not modelled"
+        if model is not None and model.is_hybrid:
+            group_size = super().plan(scenario).group_size
+            if group_size != model.num_attention_layers:
+                return (
+                    f"vllm-metal's pool block holds the {model.num_attention_layers} attention layers while "
+                    f"vLLM bills group_size={group_size} pages per block (see tests/test_metal_backend.py)"
+                )
+        return None
+
+    @property
+    def version(self) -> str:
+        device = "Metal GPU" if self._mx.metal.is_available() else "CPU"
+        return f"MLX {self._mx.__version__} runtime on {device}"
+
+    # -- kernel_block: the runtime's own translation
+    def kernel_block_size(self, block_size: int) -> int:
+        from ..metal_runtime import pick_kernel_block_size
+
+        return pick_kernel_block_size(block_size)
+
+    def build_block_tables(
+        self, rows: Sequence[Sequence[int]], block_size: int
+    ) -> tuple[list[list[int]], int]:
+        from ..metal_runtime import build_block_tables
+
+        table, kernel_block = build_block_tables(rows, block_size)
+        return table.tolist(), kernel_block
+
+    # -- one_sequence: measured on a really allocated pool
+    def one_sequence_bytes(self, scenario: Scenario) -> int:
+        from ..metal_runtime import KVPool
+
+        alignment = hybrid.hybrid_alignment(scenario)
+        block = alignment.block_size if alignment is not None else scenario.runtime.block_size
+        layers = _scenario_layers(scenario)
+        padded = alignment.state_page_padded_bytes if alignment is not None else None
+        if padded is None:
+            return KVPool.one_sequence_bytes(scenario.runtime.max_model_len, block, layers)
+        # vllm-metal PR #575: each state layer is billed at the padded page the upstream alignment set.
+        paged = [layer for layer in layers if layer.is_paged]
+        num_state = len(layers) - len(paged)
+        return KVPool.one_sequence_bytes(scenario.runtime.max_model_len, block, paged) + num_state * padded
+
+    # -- memory: per-block bytes and block count from the pool; the admission check stays vLLM's
+    def check_memory(
+        self, specs: dict[str, KVCacheSpec], runtime: RuntimeSettings, policy: str
+    ) -> MemoryCheck:
+        from ..metal_runtime import KVPool
+
+        upstream = super().check_memory(specs, runtime, policy)
+        per_block = _pool_bytes_per_block(list(specs.values()))
+        available = upstream.available_bytes + upstream.bytes_per_block  # the budget before the null block
+        return dataclasses.replace(
+            upstream, bytes_per_block=per_block, num_blocks=KVPool.num_blocks_for_budget(available, per_block)
+        )
+
+    # -- plan
+    def plan(self, scenario: Scenario) -> KVPlan:
+        from ..metal_runtime import KVPool, pick_kernel_block_size
+
+        upstream = super().plan(scenario)
+        if scenario.is_spec_level:
+            per_block = _pool_bytes_per_block(list(self.layer_specs(scenario).values()))
+            one_sequence = 0
+        else:
+            paged = [layer for layer in _scenario_layers(scenario) if layer.is_paged]
+            per_block = KVPool(paged, 1, upstream.block_size, 0).bytes_per_block()
+            one_sequence = self.one_sequence_bytes(scenario)
+        budget = upstream.available_bytes + upstream.bytes_per_block
+        num_blocks = KVPool.num_blocks_for_budget(budget, per_block)
+        try:
+            kernel_block = pick_kernel_block_size(upstream.block_size)
+        except ValueError:
+            kernel_block = 0
+        return dataclasses.replace(
+            upstream,
+            kernel_block_size=kernel_block,
+            kernel_blocks_per_block=upstream.block_size // kernel_block if kernel_block else 0,
+            bytes_per_block=per_block,
+            num_blocks=num_blocks,
+            max_concurrency=round(num_blocks / upstream.blocks_per_request, 2),
+            one_sequence_bytes=one_sequence,
+        )
+
+
+def _scenario_layers(scenario: Scenario) -> list[Any]:
+    """The runtime's layers for a scenario, recurrent state in fp32 as vllm-metal stores it (PR #243)."""
+    from ..metal_runtime import layers_from_scenario
+
+    return [
+        dataclasses.replace(layer, recurrent_dtype="float32") if layer.recurrent_shape else layer
+        for layer in layers_from_scenario(scenario)
+    ]
+
+
+def _pool_bytes_per_block(specs: Sequence[KVCacheSpec]) -> int:
+    """Bytes of one block of a pool allocated for the attention layers of ``specs`` (the Metal
+    pool holds paged layers only; state lives in separate slots)."""
+    from ..metal_runtime import KVPool, attention_layer, mla_layer
+
+    attention = [s for s in specs if isinstance(s, AttentionSpec)]
+    if not attention:
+        raise ValueError("the Metal pool holds paged attention layers; these specs have none")
+    layers = []
+    for spec in attention:
+        if spec.state_content_bytes is not None or spec.num_head_slots is not None or spec.page_size_padded:
+            raise ValueError(
+                f"the Metal runtime has no packed or padded KV pages ({spec.kind}, "
+                f"{spec.state_content_size_bytes} B per head slot); it stores plain K/V"
+            )
+        if spec.is_mla:
+            layers.append(mla_layer(spec.head_size, 0, spec.dtype))
+        else:
+            layers.append(attention_layer(spec.num_kv_heads, spec.head_size, spec.dtype, spec.head_size_v))
+    block_sizes = {s.block_size for s in attention}
+    if len(block_sizes) != 1:
+        raise ValueError(f"the Metal pool has one block size; the specs have {sorted(block_sizes)}")
+    return KVPool(layers, 1, block_sizes.pop(), 0).bytes_per_block()
