@@ -1,0 +1,93 @@
+"""The ``metal`` backend: what it measures with the runtime, and where it departs from vLLM."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("mlx.core")
+
+from pytest_kvconform.backends.base import ReferenceBackend
+from pytest_kvconform.backends.metal import MetalBackend
+from pytest_kvconform.scenario import load_scenario, parse_scenario
+
+# The shrunk hypothesis counterexample that found the group-size divergence (suites/test_properties.py).
+ATTENTION_MINORITY_HYBRID = """
+schema = "kv-scenario/1"
+name = "generated"
+[model]
+architecture = "Generated"
+dtype = "bfloat16"
+num_hidden_layers = 7
+layers = "MAMAMAM"
+[model.attention]
+kind = "mla"
+kv_lora_rank = 256
+qk_rope_head_dim = 64
+[model.state]
+kind = "mamba1"
+conv_kernel = 2
+intermediate_size = 1024
+d_state = 16
+[runtime]
+max_model_len = 1
+kv_cache_memory_bytes = 1048576
+"""
+
+
+@pytest.fixture(scope="module")
+def metal() -> MetalBackend:
+    return MetalBackend()
+
+
+def test_version_names_mlx_and_device(metal: MetalBackend) -> None:
+    assert metal.version.startswith("MLX ") and metal.version.endswith(("CPU", "Metal GPU"))
+
+
+def test_block_tables_are_plain_lists(metal: MetalBackend) -> None:
+    # vllm-metal.md §A.3 worked example
+    assert metal.build_block_tables([[0, 2], [1]], 160) == (
+        [[0, 1, 2, 3, 4, 10, 11, 12, 13, 14], [5, 6, 7, 8, 9, 0, 1, 2, 3, 4]],
+        32,
+    )
+
+
+def test_granite_plan_matches_the_reference(metal: MetalBackend) -> None:
+    scenario = load_scenario("granite-4.0-h-tiny")
+    assert metal.plan(scenario) == ReferenceBackend().plan(scenario)
+
+
+def test_pool_block_holds_only_the_attention_layers(metal: MetalBackend) -> None:
+    """vllm-metal bills a block as its paged (attention) layers; vLLM bills group_size pages.
+
+    3 MLA layers + 4 Mamba layers: 4 < 1.5 * 3, so vLLM's group size is 4 (rules §15). The MLA
+    floor aligns the block to 128 tokens (rules §9); one latent is (256 + 64) * 2 B = 640 B/token.
+    The Metal pool block holds 3 * 128 * 640 = 245,760 B while vLLM bills 4 * 81,920 = 327,680 B,
+    so vLLM plans fewer blocks than the Metal pool allocated (budget // 245,760 = 4 vs 3).
+    """
+    scenario = parse_scenario(ATTENTION_MINORITY_HYBRID)
+    reference, measured = ReferenceBackend().plan(scenario), metal.plan(scenario)
+    assert (reference.block_size, reference.group_size) == (128, 4)
+    assert (reference.bytes_per_block, measured.bytes_per_block) == (327_680, 245_760)
+    assert (reference.num_blocks, measured.num_blocks) == (3, 4)
+    assert metal.unsupported(scenario) is not None  # discarded by the property tests, pinned here
+
+
+def test_packed_kv_dtype_is_not_modelled(metal: MetalBackend) -> None:
+    scenario = load_scenario("glm-5-fp8-ds-mla")
+    assert "fp8_ds_mla" in (metal.unsupported(scenario) or "")
+    # notes vllm-metal.md §F risk 2: the runtime allocates the latent in bf16, (512 + 64) * 2 B per token
+    assert metal.plan(scenario).bytes_per_block == 78 * 64 * 576 * 2
+
+
+def test_state_slot_is_billed_fp32_when_pages_are_not_padded(metal: MetalBackend) -> None:
+    """vllm-metal PR #243: the GDN recurrent state is fp32 on Metal even for a bf16 model.
+
+    Qwen3.5-0.8B GDN, one layer: conv (3, 6144) bf16 = 36,864 B; recurrent 16 x 128 x 128 fp32 =
+    1,048,576 B (vllm-metal.md §A.2). A pure-state model is never padded, so the slot is billed.
+    """
+    scenario = parse_scenario(
+        'schema = "kv-scenario/1"\nname = "gdn-only"\n[model]\narchitecture = "X"\ndtype = "bfloat16"\n'
+        'num_hidden_layers = 1\nlayers = "M"\n[model.state]\nkind = "gdn"\nnum_key_heads = 16\n'
+        "num_value_heads = 16\nkey_head_dim = 128\nvalue_head_dim = 128\nconv_kernel = 4\n"
+    )
+    assert metal.one_sequence_bytes(scenario) == 36_864 + 1_048_576
