@@ -29,8 +29,9 @@ from pytest_kvconform.scenario import KV_CACHE_DTYPES, SPEC_DTYPES, Scenario, sc
 pytestmark = pytest.mark.filterwarnings("ignore")
 PROPERTY_SETTINGS = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
-GQA_KV_DTYPES = tuple(d for d in KV_CACHE_DTYPES if not d.startswith("octave_") and d not in ("fp8_ds_mla",
-                                                                                            "nvfp4_ds_mla"))
+GQA_KV_DTYPES = tuple(
+    d for d in KV_CACHE_DTYPES if not d.startswith("octave_") and d not in ("fp8_ds_mla", "nvfp4_ds_mla")
+)
 MLA_KV_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_ds_mla", "nvfp4_ds_mla", "int8_per_token_head",
                  "int4_per_token_head", "fp8_per_token_head")  # fmt: skip
 TPS = (1, 2, 4)  # every state dimension below is a multiple of 4
@@ -64,7 +65,10 @@ def state_tables(draw, kind: str) -> dict[str, Any]:
     four = st.integers(1, 32).map(lambda x: 4 * x)
     table: dict[str, Any] = {"kind": kind, "conv_kernel": draw(st.integers(2, 4))}
     if kind == "mamba1":
-        table |= {"intermediate_size": draw(four.map(lambda x: 64 * x)), "d_state": draw(st.sampled_from([16, 64]))}
+        table |= {
+            "intermediate_size": draw(four.map(lambda x: 64 * x)),
+            "d_state": draw(st.sampled_from([16, 64])),
+        }
     elif kind == "mamba2":
         table |= {
             "intermediate_size": draw(four.map(lambda x: 64 * x)),
@@ -84,7 +88,9 @@ def state_tables(draw, kind: str) -> dict[str, Any]:
         table |= {"num_heads": draw(four), "head_dim": draw(st.sampled_from([64, 128]))}
     else:
         table |= {"conv_dim": draw(four.map(lambda x: 64 * x))}
-    table["ssm_dtype"] = draw(st.sampled_from(["auto", "float32"] if kind == "kda" else ["auto", "float32", "bfloat16"]))
+    table["ssm_dtype"] = draw(
+        st.sampled_from(["auto", "float32"] if kind == "kda" else ["auto", "float32", "bfloat16"])
+    )
     return table
 
 
@@ -111,7 +117,11 @@ def runtime_tables(draw, *, state_kind: str | None, gqa: bool, nvfp4_ok: bool) -
         rt["num_gpu_blocks_override"] = draw(st.integers(1, 100_000))
     if state_kind is not None:
         rt["mamba_cache_dtype"] = draw(st.sampled_from(["auto", "float16", "bfloat16", "float32"]))
-        ssm = ["auto", "float32", "bfloat16"] if state_kind == "kda" else ["auto", "float16", "bfloat16", "float32"]
+        ssm = (
+            ["auto", "float32", "bfloat16"]
+            if state_kind == "kda"
+            else ["auto", "float16", "bfloat16", "float32"]
+        )
         rt["mamba_ssm_cache_dtype"] = draw(st.sampled_from(ssm))
     return rt
 
@@ -123,29 +133,38 @@ def model_scenario_dicts(draw, hybrid: bool = False) -> dict[str, Any]:
     state_kinds = ["mamba1", "mamba2", "gdn", "kda", "short_conv"]
     state_kind = draw(st.sampled_from(state_kinds if hybrid else [None, *state_kinds]))
     n = draw(st.integers(2 if hybrid else 1, 40))
-    attention_codes = "AAASXL"
-    alphabet = attention_codes + "-" + ("MMMMP" if state_kind else "")
-    layers = list(draw(st.text(alphabet=alphabet, min_size=n, max_size=n)))
-    if not any(c in "ASLXP" for c in layers):
-        layers[draw(st.integers(0, n - 1))] = "A"
-    if hybrid and not any(c in "MP" for c in layers):
-        i = draw(st.integers(0, n - 1))
-        layers[i] = "M" if any(c in "ASLXP" for c in layers[:i] + layers[i + 1 :]) else "P"
+    pure_state = state_kind is not None and not hybrid and draw(st.integers(0, 5)) == 0
+    if pure_state:  # a pure Mamba/GDN stack: no [model.attention] at all
+        layers = list(draw(st.text(alphabet="MMM-", min_size=n, max_size=n)))
+        if "M" not in layers:
+            layers[draw(st.integers(0, n - 1))] = "M"
+    else:
+        alphabet = "AAASXL-" + ("MMMMP" if state_kind else "")
+        layers = list(draw(st.text(alphabet=alphabet, min_size=n, max_size=n)))
+        if not any(c in "ASLXP" for c in layers):
+            layers[draw(st.integers(0, n - 1))] = "A"
+        if hybrid and not any(c in "MP" for c in layers):
+            i = draw(st.integers(0, n - 1))
+            layers[i] = "M" if any(c in "ASLXP" for c in layers[:i] + layers[i + 1 :]) else "P"
     codes = "".join(layers)
     has_state = any(c in "MP" for c in codes)
-    attention = draw(attention_tables(attn_kind, codes))
-    if attn_kind == "gqa" and draw(st.integers(0, 4)) == 0:
-        attention["head_dim_v"] = draw(st.sampled_from([64, 128]))
     model: dict[str, Any] = {
         "architecture": "Generated",
         "dtype": draw(st.sampled_from(["bfloat16", "float16", "float32"])),
         "num_hidden_layers": n,
         "layers": codes,
-        "attention": attention,
     }
+    nvfp4_ok = False
+    if not pure_state:
+        attention = draw(attention_tables(attn_kind, codes))
+        if attn_kind == "gqa" and draw(st.integers(0, 4)) == 0:
+            attention["head_dim_v"] = draw(st.sampled_from([64, 128]))
+        model["attention"] = attention
+        nvfp4_ok = (
+            attn_kind == "gqa" and attention.get("head_dim_v", attention["head_dim"]) == attention["head_dim"]
+        )
     if has_state:
         model["state"] = draw(state_tables(state_kind))
-    nvfp4_ok = attn_kind == "gqa" and attention.get("head_dim_v", attention.get("head_dim")) == attention.get("head_dim")
     runtime = draw(runtime_tables(state_kind=state_kind if has_state else None, gqa=attn_kind == "gqa",
                                   nvfp4_ok=nvfp4_ok))  # fmt: skip
     return {"schema": "kv-scenario/1", "name": "generated-model", "model": model, "runtime": runtime}
@@ -153,8 +172,8 @@ def model_scenario_dicts(draw, hybrid: bool = False) -> dict[str, Any]:
 
 @st.composite
 def layer_spec_tables(draw) -> dict[str, Any]:
-    kind = draw(st.sampled_from(["full_attention", "sliding_window", "chunked_local", "cross_attention", "mla",
-                                 "mamba"]))  # fmt: skip
+    kinds = ["full_attention", "sliding_window", "chunked_local", "cross_attention", "mla", "mamba"]
+    kind = draw(st.sampled_from(kinds))
     table: dict[str, Any] = {"kind": kind, "count": draw(st.integers(1, 6)),
                              "block_size": draw(st.sampled_from([1, 16, 32, 64, 128, 400]))}  # fmt: skip
     if kind == "mamba":

@@ -75,7 +75,12 @@ def gqa(num_kv_heads: int, head_dim: int, **extra: Any) -> dict[str, Any]:
 
 
 def model(layers: str, attention: dict | None = None, state: dict | None = None, dtype: str = "bfloat16"):
-    m: dict[str, Any] = {"architecture": "Test", "dtype": dtype, "num_hidden_layers": len(layers), "layers": layers}
+    m: dict[str, Any] = {
+        "architecture": "Test",
+        "dtype": dtype,
+        "num_hidden_layers": len(layers),
+        "layers": layers,
+    }
     if attention is not None:
         m["attention"] = attention
     if state is not None:
@@ -114,7 +119,9 @@ def mla_geo(**kw: Any) -> AttentionGeometry:
     return AttentionGeometry(kind="mla", num_kv_heads=1, kv_lora_rank=512, qk_rope_head_dim=64, **kw)
 
 
-def page(geo: AttentionGeometry, kv_cache_dtype: str, block_size: int = 16, kind: str = "full_attention") -> int:
+def page(
+    geo: AttentionGeometry, kv_cache_dtype: str, block_size: int = 16, kind: str = "full_attention"
+) -> int:
     return attention_spec(
         geo, kind=kind, block_size=block_size, kv_cache_dtype=kv_cache_dtype, model_dtype="bfloat16"
     ).page_size_bytes
@@ -352,7 +359,9 @@ def test_kda_and_short_conv_shapes():
     kda = StateGeometry(kind="kda", conv_kernel=4, num_heads=32, head_dim=128)
     assert state_shapes(kda) == ((3, 12288), (32, 128, 128))
     # rules §11(a): short_conv conv = orient(divide(I, tp), L_cache - 1 + num_spec), no recurrent state
-    assert state_shapes(StateGeometry(kind="short_conv", conv_kernel=3, conv_dim=2048), num_spec=1) == ((3, 2048),)
+    assert state_shapes(StateGeometry(kind="short_conv", conv_kernel=3, conv_dim=2048), num_spec=1) == (
+        (3, 2048),
+    )
 
 
 def test_ssm_dtype_resolution():
@@ -453,7 +462,9 @@ def test_qwen35_reviewer_inputs_as_a_scenario():
 @pytest.mark.parametrize(("k", "block"), [(16, 272), (32, 288)])
 def test_two_kv_heads_variant(k, block):
     # rules §9(e) e1: with a1 = 2048: min 268; k = 16 -> 272, k = 32 -> 288
-    assert align_hybrid_block_size(2_048, 548_864, kernel_block_alignment=k, block_size=16).block_size == block
+    assert (
+        align_hybrid_block_size(2_048, 548_864, kernel_block_alignment=k, block_size=16).block_size == block
+    )
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -463,7 +474,9 @@ def test_qwen35_e3_528_and_align_576(tp):
     m = model("MMMA", gqa(4, 256), QWEN35_GDN)
     none = hybrid_alignment(make_scenario(m, {"tensor_parallel_size": tp}))
     align = hybrid_alignment(
-        make_scenario(m, {"tensor_parallel_size": tp, "mamba_cache_mode": "align", "extra_block_alignment": 64})
+        make_scenario(
+            m, {"tensor_parallel_size": tp, "mamba_cache_mode": "align", "extra_block_alignment": 64}
+        )
     )
     assert (none.block_size, align.block_size) == (528, 576)
     if tp == 1:
@@ -526,9 +539,11 @@ def test_non_hybrid_has_no_alignment():
 
 # --------------------------------------------------------------------------- unification (§14, env §3)
 
+# anchors §4.1 (older vLLM unify_kv_cache_spec_page_size); the error vllm-metal #230 reported
 SCALE_ONLY_TEXT = (
-    "The page size of the layer is not divisible by the maximum page size. Cannot unify by adjusting block_size."
-)  # anchors §4.1 (older vLLM unify_kv_cache_spec_page_size); vllm-metal #230's reported error
+    "The page size of the layer is not divisible by the maximum page size. "
+    "Cannot unify by adjusting block_size."
+)
 
 
 def mla_text(layer: str) -> str:
@@ -633,7 +648,11 @@ def test_granite_with_dense_draft():
     specs = layer_specs(s, hybrid_alignment(s))
     attn, mixer = "model.layers.5.self_attn", "model.layers.0.mixer"
     out = unify_page_sizes({**specs, "draft": AttentionSpec("full_attention", 400, 6, 128, "bfloat16")})
-    assert (out[attn].block_size, out[attn].page_size_bytes, out[mixer].page_size_bytes) == (400, 1_228_800, 1_228_800)
+    assert (out[attn].block_size, out[attn].page_size_bytes, out[mixer].page_size_bytes) == (
+        400,
+        1_228_800,
+        1_228_800,
+    )
     out = unify_page_sizes({**specs, "draft": AttentionSpec("full_attention", 400, 8, 128, "bfloat16")})
     assert (out[attn].block_size, out[attn].page_size_padded) == (800, None)
     assert out[mixer].page_size_padded == 1_638_400
@@ -719,7 +738,10 @@ def gpt_oss(layers: str, **runtime: Any) -> Scenario:
 def test_gpt_oss_two_groups_of_12():
     # rules §15(e): gpt-oss-20b (12 SW + 12 full): 2 groups x 12; bytes_per_block = 393,216 (§17(e))
     groups = get_kv_cache_groups(layer_specs(gpt_oss("SA" * 12)))
-    assert sorted((g.kind, len(g.layer_names)) for g in groups) == [("full_attention", 12), ("sliding_window", 12)]
+    assert sorted((g.kind, len(g.layer_names)) for g in groups) == [
+        ("full_attention", 12),
+        ("sliding_window", 12),
+    ]
     assert bytes_per_block(groups) == 393_216
 
 

