@@ -44,9 +44,10 @@ adapter function               vLLM code (0.32.0 location / 0.33.0 location)
 The spec-level functions run against a real ``VllmConfig()`` seen through
 :class:`VllmConfigView`, which replaces only ``model_config`` (vLLM's KV planning reads
 ``max_model_len``, ``original_max_model_len``, in 0.33 ``supports_kv_cache_grouping``
-and, with speculative decoding, ``hf_config``) and ``max_concurrent_batches`` (so ``max_in_flight_tokens``, computed by
-vLLM's own property, uses the scenario's value). Everything else (cache, scheduler and
-parallel configs, the layout, the config builder) is vLLM's.
+and, with speculative decoding, ``hf_config``) and ``max_concurrent_batches`` (so
+``max_in_flight_tokens``, computed by vLLM's own property, uses the scenario's value).
+Everything else (cache, scheduler and parallel configs, the layout, the config builder)
+is vLLM's.
 """
 
 from __future__ import annotations
