@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from .backends.base import RULE_FAMILIES, ReferenceBackend
+from .backends.base import RULE_FAMILIES, ReferenceBackend, RuleNotApplicable
 from .scenario import Scenario, load_scenario
 
 __all__ = [
@@ -42,6 +42,8 @@ def call_rule(backend: Any, rule: str, method: str, *args: Any, scenario: Scenar
         pytest.skip(f"backend {backend.name!r} has no method {method!r} (rule {rule!r})")
     try:
         return fn(*args)
+    except RuleNotApplicable as exc:
+        pytest.skip(f"[{rule}] backend {backend.name!r} cannot answer this input: {exc}")
     except Exception as exc:
         where = f" on scenario {scenario.name!r} ({scenario.source})" if scenario is not None else ""
         message = f"[{rule}] backend {backend.name!r}.{method} raised{where}: {type(exc).__name__}: {exc}"

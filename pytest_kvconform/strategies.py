@@ -16,6 +16,14 @@ from .scenario import Scenario, scenario_from_dict
 _GQA_DTYPES = ("auto", "fp8", "fp8_e4m3", "int8_per_token_head", "turboquant_k8v4", "turboquant_4bit_nc",
                "turboquant_3bit_nc", "nvfp4", "ultraquant_4bit")  # fmt: skip
 _MLA_DTYPES = ("auto", "fp8", "fp8_ds_mla", "nvfp4_ds_mla")
+#: Real hybrid architectures per state kind, so backends that build a config.json can (vLLM).
+HYBRID_ARCHITECTURES = {
+    "mamba1": ("JambaForCausalLM",),
+    "mamba2": ("GraniteMoeHybridForCausalLM", "NemotronHForCausalLM"),
+    "gdn": ("Qwen3NextForCausalLM", "Qwen3_5ForConditionalGeneration"),
+    "kda": ("KimiLinearForCausalLM",),
+    "short_conv": ("Lfm2ForCausalLM",),
+}
 
 
 @st.composite
@@ -67,10 +75,17 @@ def scenario_dicts(draw: st.DrawFn, hybrid: bool | None = None) -> dict[str, Any
     else:
         layers = "A" * n
     dtype = draw(st.sampled_from(["bfloat16", "float16"]))
-    model = {"architecture": "Generated", "dtype": dtype, "num_hidden_layers": n, "layers": layers,
+    architecture = "DeepseekV2ForCausalLM" if attention["kind"] == "mla" else "LlamaForCausalLM"
+    model = {"architecture": architecture, "dtype": dtype, "num_hidden_layers": n, "layers": layers,
              "attention": attention}  # fmt: skip
     if is_hybrid:
-        model["state"] = draw(state_tables())
+        state = draw(state_tables())
+        model["architecture"] = draw(st.sampled_from(HYBRID_ARCHITECTURES[state["kind"]]))
+        if model["architecture"] == "NemotronHForCausalLM":  # vLLM derives I = heads * head_dim
+            state["intermediate_size"] = state["n_heads"] * state["head_dim"]
+        elif model["architecture"] in ("GraniteMoeHybridForCausalLM", "Qwen3NextForCausalLM"):
+            state["ssm_dtype"] = "auto"  # their configs have no state-dtype field
+        model["state"] = state
     dtypes = _MLA_DTYPES if attention["kind"] == "mla" else _GQA_DTYPES
     runtime = {
         "max_model_len": draw(st.integers(1, 1 << 17)),

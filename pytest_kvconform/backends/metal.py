@@ -23,19 +23,20 @@ from typing import Any, ClassVar
 
 from ..model import KVPlan, MemoryCheck
 from ..reference import hybrid
+from ..reference.plan import compose_plan
 from ..reference.specs import AttentionSpec, KVCacheSpec
 from ..scenario import RuntimeSettings, Scenario
 from .base import ReferenceBackend
 
 _FP8_DS_MLA = (
     "vllm-metal stores K/V in the model dtype and never reads --kv-cache-dtype (notes vllm-metal.md "
-    "A.1, F risk 2): the GLM-5 fp8_ds_mla latent (656 B/token) and its uint8 indexer cache are "
-    "allocated as a bf16 latent of 1152 B/token, so the pool's per-block bytes and block count differ"
+    "A.1, F risk 2): the runtime cannot allocate the 656 B/token fp8_ds_mla latent nor the uint8 "
+    "DSA indexer cache that vLLM plans for GLM-5"
 )
 _TURBOQUANT = (
     "vllm-metal has its own TurboQuant (--additional-config, q8_0/q3_0 ...) and ignores vLLM's "
-    "turboquant_* kv_cache_dtype (notes vllm-metal.md A.1): the runtime allocates bf16 K+V "
-    "(2048 B/token for 2 heads x 256) instead of the 776 B/token k8v4 slots"
+    "turboquant_* kv_cache_dtype (notes vllm-metal.md A.1): the runtime cannot allocate the "
+    "776 B/token k8v4 slots vLLM plans"
 )
 
 
@@ -117,33 +118,9 @@ class MetalBackend(ReferenceBackend):
             upstream, bytes_per_block=per_block, num_blocks=KVPool.num_blocks_for_budget(available, per_block)
         )
 
-    # -- plan
+    # -- plan: the reference's composition over this backend's own rules
     def plan(self, scenario: Scenario) -> KVPlan:
-        from ..metal_runtime import KVPool, pick_kernel_block_size
-
-        upstream = super().plan(scenario)
-        if scenario.is_spec_level:
-            per_block = _pool_bytes_per_block(list(self.layer_specs(scenario).values()))
-            one_sequence = 0
-        else:
-            paged = [layer for layer in _scenario_layers(scenario) if layer.is_paged]
-            per_block = KVPool(paged, 1, upstream.block_size, 0).bytes_per_block()
-            one_sequence = self.one_sequence_bytes(scenario)
-        budget = upstream.available_bytes + upstream.bytes_per_block
-        num_blocks = KVPool.num_blocks_for_budget(budget, per_block)
-        try:
-            kernel_block = pick_kernel_block_size(upstream.block_size)
-        except ValueError:
-            kernel_block = 0
-        return dataclasses.replace(
-            upstream,
-            kernel_block_size=kernel_block,
-            kernel_blocks_per_block=upstream.block_size // kernel_block if kernel_block else 0,
-            bytes_per_block=per_block,
-            num_blocks=num_blocks,
-            max_concurrency=round(num_blocks / upstream.blocks_per_request, 2),
-            one_sequence_bytes=one_sequence,
-        )
+        return compose_plan(self, scenario)
 
 
 def _scenario_layers(scenario: Scenario) -> list[Any]:

