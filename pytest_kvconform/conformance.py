@@ -7,7 +7,7 @@ checks on their own scenario files.
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -53,13 +53,16 @@ def call_rule(backend: Any, rule: str, method: str, *args: Any, scenario: Scenar
 def known_failure(backend: Any, item: pytest.Item) -> str | None:
     """The reason a test is a known failure of ``backend`` (its ``known_failures`` data).
 
-    Keys are ``"<rule>::<test-name glob>"``, e.g. ``"hybrid_alignment::*glm-5*"``.
+    Keys are ``"<rule>::<test name>"`` where ``*`` in the name matches anything and every other
+    character is literal (so ``[`` of a parametrize id needs no escaping), e.g.
+    ``"plan::test_plan[glm-5-fp8-ds-mla]"`` or ``"hybrid_alignment::*glm-5*"``.
     """
     rule_marker = item.get_closest_marker("kvconform_rule")
     rule = rule_marker.args[0] if rule_marker is not None else ""
     for key, reason in getattr(backend, "known_failures", {}).items():
         key_rule, _, pattern = key.partition("::")
-        if key_rule == rule and fnmatch.fnmatchcase(item.name, pattern or "*"):
+        regex = ".*".join(re.escape(part) for part in (pattern or "*").split("*"))
+        if key_rule == rule and re.fullmatch(regex, item.name):
             return str(reason)
     return None
 

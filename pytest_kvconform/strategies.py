@@ -45,8 +45,7 @@ def state_tables(draw: st.DrawFn) -> dict[str, Any]:
         table.update(intermediate_size=one_of(1024, 2048, 4096), d_state=one_of(16, 64))
     elif kind == "mamba2":
         table.update(
-            intermediate_size=one_of(2048, 3072, 4096), n_groups=one_of(1, 2, 8),
-            n_heads=one_of(32, 48, 64, 128), head_dim=64, d_state=one_of(64, 128),
+            n_groups=one_of(1, 2, 8), n_heads=one_of(32, 48, 64, 128), head_dim=64, d_state=one_of(64, 128),
             ssm_dtype=one_of("auto", "float32"),
         )  # fmt: skip
     elif kind == "gdn":
@@ -81,9 +80,9 @@ def scenario_dicts(draw: st.DrawFn, hybrid: bool | None = None) -> dict[str, Any
     if is_hybrid:
         state = draw(state_tables())
         model["architecture"] = draw(st.sampled_from(HYBRID_ARCHITECTURES[state["kind"]]))
-        if model["architecture"] == "NemotronHForCausalLM":  # vLLM derives I = heads * head_dim
+        if state["kind"] == "mamba2":  # a Mamba-2 mixer has intermediate = heads * head_dim
             state["intermediate_size"] = state["n_heads"] * state["head_dim"]
-        elif model["architecture"] in ("GraniteMoeHybridForCausalLM", "Qwen3NextForCausalLM"):
+        if model["architecture"] in ("GraniteMoeHybridForCausalLM", "Qwen3NextForCausalLM"):
             state["ssm_dtype"] = "auto"  # their configs have no state-dtype field
         model["state"] = state
     dtypes = _MLA_DTYPES if attention["kind"] == "mla" else _GQA_DTYPES

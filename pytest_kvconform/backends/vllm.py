@@ -38,6 +38,11 @@ class VllmBackend(ReferenceBackend):
         if not va.is_vllm_installed():
             raise va.VllmUnavailableError(f"vLLM is not installed: {va.INSTALL_HINT}")
 
+    def policy_for(self, scenario: Scenario) -> str:
+        """vLLM has one policy; a scenario asking for another cannot be answered by vLLM."""
+        _check_policy(scenario.runtime.unify_policy)
+        return VLLM_UNIFY_POLICY
+
     def unsupported(self, scenario: Scenario) -> str | None:
         """Hybrids vLLM cannot be shown offline: no config.json writer for the family, MLA
         hybrids, speculative decoding (needs a draft model), policies vLLM does not have."""

@@ -228,7 +228,13 @@ def kv_cache_dtype_bytes(kv_cache_dtype: str, model_dtype: str) -> int:
     from vllm.utils.torch_utils import get_dtype_size, kv_cache_dtype_str_to_dtype
 
     model_config = _ModelConfigStandIn(max_model_len=1, dtype=_torch_dtype(model_dtype))
-    return int(get_dtype_size(kv_cache_dtype_str_to_dtype(kv_cache_dtype, model_config)))
+    try:
+        dtype = kv_cache_dtype_str_to_dtype(kv_cache_dtype, model_config)
+    except KeyError:  # e.g. the octave_* formats are newer than vLLM 0.32
+        raise UnsupportedByVllmError(
+            f"vLLM {installed_vllm_version()} has no kv_cache_dtype {kv_cache_dtype!r}"
+        ) from None
+    return int(get_dtype_size(dtype))
 
 
 def to_vllm_spec(spec: KVCacheSpec, *, kv_cache_dtype: str | None = None) -> Any:
@@ -716,6 +722,7 @@ def hf_config_dict(scenario: Scenario) -> dict[str, Any]:
             "hidden_size": st.intermediate_size // expand, "mamba_expand": expand,
             "attn_layer_period": period, "attn_layer_offset": attn[0], "mamba_d_state": st.d_state,
             "mamba_d_conv": st.conv_kernel, "mamba_dt_rank": 64, "num_experts": 1, "expert_layer_period": 1,
+            "expert_layer_offset": 0,
         }  # fmt: skip
     raise UnsupportedByVllmError(
         f"{arch} with {st.kind} state: no config.json writer (supported: GraniteMoeHybrid, NemotronH, "
@@ -790,12 +797,24 @@ def qwen35_model_class_importable() -> bool:
 
 
 @functools.cache
-def kernel_block_backend(alignment: int) -> type:
+def kernel_block_backend(alignment: int, kv_cache_dtype: str = "auto") -> type:
     """An attention backend whose only kernel block size is ``MultipleOf(alignment)``.
 
-    Everything else (notably the identity ``customize_spec``) is vLLM's ``AttentionBackend``.
+    Its ``customize_spec`` is the one of the backend that serves ``kv_cache_dtype``: Triton's
+    for ``*_per_token_head`` (its scales add 8 B per head), else the identity of vLLM's
+    ``AttentionBackend``. FlashInfer (``nvfp4``) cannot be imported on a CPU build.
     """
     from vllm.v1.attention.backend import AttentionBackend, MultipleOf
+
+    base: type = AttentionBackend
+    if kv_cache_dtype.endswith("_per_token_head"):
+        from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
+
+        base = TritonAttentionBackend
+    elif kv_cache_dtype in ("nvfp4", "nvfp4_4over6"):
+        raise UnsupportedByVllmError(f"{kv_cache_dtype} is packed by FlashInfer, which a CPU build lacks")
+    elif kv_cache_dtype == "ultraquant_4bit":
+        raise UnsupportedByVllmError("the UltraQuant backend imports Triton kernels, which a CPU build lacks")
 
     def sizes(kv_cache_spec: Any = None) -> list[Any]:
         return [MultipleOf(alignment)]
@@ -804,7 +823,7 @@ def kernel_block_backend(alignment: int) -> type:
         return f"KVCONFORM_MULTIPLE_OF_{alignment}"
 
     return type(
-        f"KVConformMultipleOf{alignment}Backend", (AttentionBackend,),
+        f"KVConformMultipleOf{alignment}{base.__name__}", (base,),
         {"get_supported_kernel_block_sizes": staticmethod(sizes), "get_name": staticmethod(name)},
     )  # fmt: skip
 
@@ -868,7 +887,8 @@ def _align(scenario: Scenario) -> HybridAlignment | None:
     if not config.model_config.is_hybrid:
         return None
     _, state = _mamba_page_bytes(config)
-    type(current_platform)._align_hybrid_block_size(config, kernel_block_backend(rt.kernel_block_alignment))
+    backend = kernel_block_backend(rt.kernel_block_alignment, rt.kv_cache_dtype)
+    type(current_platform)._align_hybrid_block_size(config, backend)
     cache = config.cache_config
     block, padded = int(cache.block_size), cache.mamba_page_size_padded
     page = int(padded) if padded is not None else state  # vLLM leaves it None when already equal
