@@ -61,8 +61,8 @@ def test_install_hint_for_builtin_backend(monkeypatch: pytest.MonkeyPatch) -> No
 def test_wrong_rule_fails_exactly_that_rule(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(wrongbackend=WRONG_BACKEND)
     pytester.syspathinsert()
-    result, rules = _matrix(pytester, RULES_SUITE, PROPS_SUITE, "--kvconform-backend=wrongbackend:WrongAlignment",
-                            "--kvconform-max-examples=30")  # fmt: skip
+    backend = "--kvconform-backend=wrongbackend:WrongAlignment"
+    result, rules = _matrix(pytester, RULES_SUITE, PROPS_SUITE, backend, "--kvconform-max-examples=30")
     failed = {rule for rule, counts in rules.items() if counts["failed"]}
     assert failed == {"hybrid_alignment"}
     assert rules["hybrid_alignment"]["failed"] >= 5  # every packaged scenario aligned at 16 moves
