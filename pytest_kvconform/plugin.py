@@ -204,6 +204,15 @@ def kv_plan(kv_backend: Any, kv_scenario: Scenario) -> Any:
     return call_rule(kv_backend, "plan", "plan", kv_scenario, scenario=kv_scenario)
 
 
+@pytest.fixture(scope="session")
+def metal_runtime() -> Any:
+    """The MLX paged-attention runtime (:mod:`pytest_kvconform.metal_runtime`); skips without mlx."""
+    pytest.importorskip("mlx.core", reason="needs mlx: pip install 'pytest-kvconform[metal-cpu]'")
+    from . import metal_runtime
+
+    return metal_runtime
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "kv_scenario" not in metafunc.fixturenames:
         return
