@@ -501,6 +501,7 @@ def test_goldens_fail_on_an_unused_snapshot(pytester: pytest.Pytester) -> None:
     """syrupy's default: a golden no test uses makes the run exit 1 (no --snapshot-warn-unused)."""
     # a module name of its own: the outer session has already imported suites' test_history
     shutil.copy(REGRESSIONS / "test_history.py", pytester.path / "test_history_copy.py")
+    shutil.copy(REGRESSIONS / "conftest.py", pytester.path / "conftest.py")  # the golden fixture
     goldens = pytester.path / "__snapshots__" / "test_history_copy"
     shutil.copytree(REGRESSIONS / "__snapshots__" / "test_history", goldens)
     stale = goldens / "test_plan_golden[vllm-metal-0-removed].json"

@@ -810,14 +810,26 @@ def _hybrid_vllm_config(scenario: Scenario) -> Any:
         raise UnsupportedByVllmError("speculative decoding needs a draft model; not built offline")
     config_json = json.dumps(hf_config_dict(scenario), sort_keys=True)
     model_config = _model_config(config_json, model.dtype, rt.max_model_len)
+    align = rt.mamba_cache_mode == "align"
+    # The CPU platform's check_and_update_config forces block 16 and turns prefix caching off
+    # for MLA ("CPU MLA backend requires block_size=16", "MLA is enabled on a non-GPU
+    # platform"), and with prefix caching off an align-mode mamba_block_size fails validation.
+    # Neither is a sizing rule of the GPU engine: build MLA configs in "none" mode, then put
+    # the runtime's block size and mode back before any rule runs.
+    cpu_mla = bool(model_config.use_mla)
     cache = CacheConfig(
         block_size=rt.block_size, cache_dtype=rt.kv_cache_dtype, mamba_cache_dtype=rt.mamba_cache_dtype,
         mamba_ssm_cache_dtype=rt.mamba_ssm_cache_dtype,
         # vLLM 0.33 derives the mode from prefix caching (on: "align"); 0.32 reads the field.
-        enable_prefix_caching=rt.mamba_cache_mode == "align", mamba_cache_mode=rt.mamba_cache_mode,
+        enable_prefix_caching=align and not cpu_mla,
+        mamba_cache_mode="none" if cpu_mla else rt.mamba_cache_mode,
     )  # fmt: skip
     parallel = ParallelConfig(tensor_parallel_size=rt.tensor_parallel_size)
     config = VllmConfig(model_config=model_config, cache_config=cache, parallel_config=parallel)
+    if cpu_mla:
+        config.cache_config.block_size = rt.block_size
+        config.cache_config.enable_prefix_caching = align
+        config.cache_config.mamba_cache_mode = rt.mamba_cache_mode
     substitutes = getattr(model_config.hf_config, "kvconform_substitutes", None)
     if substitutes in ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"):
         from vllm.model_executor.models.config import Qwen3_5ForConditionalGenerationConfig

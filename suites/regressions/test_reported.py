@@ -11,48 +11,18 @@ changed or unused golden.
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
-from syrupy.extensions.json import JSONSnapshotExtension
 
-import pytest_kvconform
 from pytest_kvconform.conformance import call_rule, skip_if_not_provided
 from pytest_kvconform.reference.hybrid import align_hybrid_block_size
 from pytest_kvconform.reference.layers import layer_specs
 from pytest_kvconform.reference.memory import format_gib, not_enough_memory_error
 from pytest_kvconform.reference.metal import KERNEL_BLOCK_SIZES
 from pytest_kvconform.reference.specs import AttentionSpec, MambaSpec
-from pytest_kvconform.scenario import Scenario, load_scenario
-
-REGRESSION_SCENARIOS = Path(pytest_kvconform.__file__).parent / "scenarios" / "regressions"
-
-
-def regression(stem: str, **runtime: Any) -> Callable[[], Scenario]:
-    """A loader for ``scenarios/regressions/<stem>.toml`` (or a packaged name), runtime changed."""
-
-    def load() -> Scenario:
-        path = REGRESSION_SCENARIOS / f"{stem}.toml"
-        s = load_scenario(path if path.is_file() else stem)
-        return s.with_runtime(**runtime) if runtime else s
-
-    return load
-
-
-@pytest.fixture
-def golden(snapshot: Any, kv_backend: Any, request: pytest.FixtureRequest) -> Any:
-    """The snapshot fixture with sorted, diff-friendly JSON (one file per test).
-
-    Goldens are the reference's plans: ``--snapshot-update`` with another backend is refused.
-    """
-    if request.config.getoption("update_snapshots") and kv_backend.name != "reference":
-        pytest.fail(f"--snapshot-update writes goldens from the reference only, not {kv_backend.name!r}")
-    return snapshot.with_defaults(extension_class=JSONSnapshotExtension)
-
-
-def backend_plan(backend: Any, scenario: Scenario) -> Any:
-    return call_rule(backend, "plan", "plan", scenario, scenario=scenario)
+from pytest_kvconform.regressions import assert_plan_matches_golden, backend_plan, regression
+from pytest_kvconform.scenario import Scenario
 
 
 def unify(backend: Any, specs: dict[str, Any], policy: str, *, raises: bool = False) -> Any:
@@ -353,15 +323,5 @@ GOLDENS: dict[str, Callable[[], Scenario]] = {
 @pytest.mark.kvconform_rule("plan")
 @pytest.mark.parametrize("name", list(GOLDENS))
 def test_plan_golden(kv_backend: Any, kv_reference: Any, golden: Any, name: str) -> None:
-    """The backend's full KVPlan equals the reference's golden (same file for every backend).
-
-    When the backend skips or raises, the golden is still checked against the reference, so a
-    skip never leaves it unused (which would fail the run) and a changed reference still shows.
-    """
-    s = GOLDENS[name]()
-    try:
-        got = backend_plan(kv_backend, s).to_dict()
-    except (pytest.skip.Exception, pytest.fail.Exception):
-        assert kv_reference.plan(s).to_dict() == golden
-        raise
-    assert got == golden
+    """The backend's full KVPlan equals the reference's golden (same file for every backend)."""
+    assert_plan_matches_golden(kv_backend, kv_reference, golden, GOLDENS[name]())

@@ -1,0 +1,47 @@
+"""Shared pieces of the regression suites (``suites/regressions/``).
+
+A regression is a scenario (``scenarios/regressions/*.toml`` or a packaged one), a JSON golden
+of the reference's KVPlan, and tests that call the selected backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .conformance import call_rule
+from .scenario import Scenario, load_scenario
+
+REGRESSION_SCENARIOS = Path(__file__).parent / "scenarios" / "regressions"
+
+
+def regression(stem: str, **runtime: Any) -> Callable[[], Scenario]:
+    """A loader for ``scenarios/regressions/<stem>.toml`` (or a packaged name), runtime changed."""
+
+    def load() -> Scenario:
+        path = REGRESSION_SCENARIOS / f"{stem}.toml"
+        s = load_scenario(path if path.is_file() else stem)
+        return s.with_runtime(**runtime) if runtime else s
+
+    return load
+
+
+def backend_plan(backend: Any, scenario: Scenario) -> Any:
+    return call_rule(backend, "plan", "plan", scenario, scenario=scenario)
+
+
+def assert_plan_matches_golden(backend: Any, reference: Any, golden: Any, scenario: Scenario) -> None:
+    """The backend's full KVPlan equals the reference's golden (same file for every backend).
+
+    When the backend skips or raises, the golden is still checked against the reference, so a
+    skip never leaves it unused (which would fail the run) and a changed reference still shows.
+    """
+    try:
+        got = backend_plan(backend, scenario).to_dict()
+    except (pytest.skip.Exception, pytest.fail.Exception):
+        assert reference.plan(scenario).to_dict() == golden
+        raise
+    assert got == golden
