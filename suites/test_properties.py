@@ -63,19 +63,24 @@ def test_hybrid_alignment_generated(kv_backend: Any, kv_reference: Any, data: di
         )  # fmt: skip
 
 
-@pytest.mark.kvconform_rule("grouping")
-@_settings
-@given(data=scenario_dicts())
-def test_grouping_generated(kv_backend: Any, kv_reference: Any, data: dict[str, Any]) -> None:
+def _on_layer_specs(
+    kv_backend: Any, kv_reference: Any, data: dict[str, Any], rule: str, method: str
+) -> tuple:
+    """A spec-level rule (``method(specs, runtime, policy)``) on the reference's layer specs."""
     s = _scenario(data, kv_backend)
     try:
         specs = kv_reference.layer_specs(s)
     except (ValueError, NotImplementedError):
-        return  # rejected before grouping; covered by the alignment property
+        reject()  # rejected before grouping (e.g. a TP split); the alignment property covers it
     rt = s.runtime
-    expected, got = _both(
-        kv_backend, kv_reference, "grouping", "kv_cache_groups", s, specs, rt, rt.unify_policy
-    )
+    return _both(kv_backend, kv_reference, rule, method, s, specs, rt, rt.unify_policy)
+
+
+@pytest.mark.kvconform_rule("grouping")
+@_settings
+@given(data=scenario_dicts())
+def test_grouping_generated(kv_backend: Any, kv_reference: Any, data: dict[str, Any]) -> None:
+    expected, got = _on_layer_specs(kv_backend, kv_reference, data, "grouping", "kv_cache_groups")
     assert got == expected
 
 
@@ -83,13 +88,7 @@ def test_grouping_generated(kv_backend: Any, kv_reference: Any, data: dict[str, 
 @_settings
 @given(data=scenario_dicts())
 def test_memory_generated(kv_backend: Any, kv_reference: Any, data: dict[str, Any]) -> None:
-    s = _scenario(data, kv_backend)
-    try:
-        specs = kv_reference.layer_specs(s)
-    except (ValueError, NotImplementedError):
-        return
-    rt = s.runtime
-    expected, got = _both(kv_backend, kv_reference, "memory", "check_memory", s, specs, rt, rt.unify_policy)
+    expected, got = _on_layer_specs(kv_backend, kv_reference, data, "memory", "check_memory")
     assert got == expected
 
 
