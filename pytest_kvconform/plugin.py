@@ -24,14 +24,12 @@ MARKERS = {
     "requires_capability": "requires_capability(name): skip unless the backend has this capability",
     "metal": "metal: needs the MLX paged-attention runtime (skips when mlx is not installed)",
 }
-OUTCOMES = ("passed", "failed", "skipped", "xfailed")
 
 
 class KVConformSession:
     """Per-session state, kept in ``config.stash`` (as syrupy and pytest-benchmark do)."""
 
     def __init__(self, config: pytest.Config) -> None:
-        self.config = config
         self.backend_name, self.backend_origin = _selected_backend(config)
         self._backend: Any = None
         self._scenarios: list[Scenario] | None = None
