@@ -51,6 +51,7 @@ class MetalBackend(ReferenceBackend):
         "plan::test_plan_golden[glm5-fp8-ds-mla]": _FP8_DS_MLA,
         "attention_page::test_glm5_fp8_ds_mla_pages": _FP8_DS_MLA,
         "plan::test_plan_golden[vllm-b2-mla-mamba-fp8-ds-mla]": _FP8_DS_MLA,
+        "plan::test_plan_golden[vllm-b2-kimi-linear-mla-kda-fp8-ds-mla]": _FP8_DS_MLA,
         "plan::test_plan[qwen3.6-35b-a3b-turboquant-k8v4]": _TURBOQUANT,
         "memory::test_check_memory[qwen3.6-35b-a3b-turboquant-k8v4]": _TURBOQUANT,
         "plan::test_plan_golden[vllm-39931-qwen36-turboquant-k8v4]": _TURBOQUANT,

@@ -302,6 +302,25 @@ def test_vllm39931_qwen36_turboquant_k8v4_real_run(kv_backend: Any) -> None:
     assert f"{plan.state_padding_pct:.2f}" == "0.08"
 
 
+KIMI_B2 = regression("kimi-linear-mla-kda-fp8-ds-mla-probe")
+
+
+@pytest.mark.kvconform_rule("hybrid_alignment")
+def test_vllm_b2_kimi_linear_block_uses_the_packed_page(kv_backend: Any) -> None:
+    """vLLM 0.33 notes B.2 on a real MLA + state architecture (KimiLinear: MLA + KDA), so the
+    vllm backend runs vLLM's own ``_align_hybrid_block_size`` on it.
+
+    Wrong formula: pricing fp8_ds_mla at 576 B/token (no ``state_content_bytes``) gives block
+    128 * cdiv(2,170,880, 128 * 576) = 3840 and a state page padded to 2,211,840 B, below the real
+    3840 * 656 B attention page. Right: 656 B/token -> 128 * cdiv(2,170,880, 83,968) = 3328 tokens,
+    page 2,183,168 B. The KDA state is notes e4's: (3, 12288) bf16 + (32, 128, 128) fp32.
+    """
+    s = KIMI_B2()
+    got = call_rule(kv_backend, "hybrid_alignment", "align_hybrid_block_size", s, scenario=s)
+    assert (got.attn_page_bytes_per_token, got.state_page_bytes) == (656, 2_170_880)
+    assert (got.block_size, got.state_page_padded_bytes) == (3328, 2_183_168)
+
+
 # ----------------------------------------------------------------------------- goldens
 #: id (source and name) -> scenario loader; ``test_plan_golden[<id>]`` snapshots its KVPlan.
 GOLDENS: dict[str, Callable[[], Scenario]] = {
@@ -314,6 +333,7 @@ GOLDENS: dict[str, Callable[[], Scenario]] = {
     "vllm-metal-235-qwen35-08b-bf16-state": QWEN35_08B_BF16,
     "glm5-fp8-ds-mla": GLM5,
     "vllm-b2-mla-mamba-fp8-ds-mla": MLA_MAMBA,
+    "vllm-b2-kimi-linear-mla-kda-fp8-ds-mla": KIMI_B2,
     "vllm-40128-turboquant-lcm": TQ_LCM,
     "vllm-40128-turboquant-pad-to-max": regression("turboquant-lcm-probe", unify_policy="pad-to-max"),
     "vllm-39931-qwen36-turboquant-k8v4": regression("qwen3.6-35b-a3b-turboquant-k8v4"),
