@@ -80,9 +80,10 @@ def get_kv_cache_groups(specs: dict[str, KVCacheSpec], policy: str = "pad-to-max
     if not specs:
         return []
     names, values = tuple(specs), tuple(specs.values())
-    if len(set(values)) == 1:  # is_kv_cache_spec_uniform
+    distinct = tuple(dict.fromkeys(values))
+    if len(distinct) == 1:  # is_kv_cache_spec_uniform
         return [GroupSpec(names, values)]
-    if len({s.block_size for s in values}) == 1 and len({_type_key(s) for s in values}) == 1:
+    if len({s.block_size for s in distinct}) == 1 and len({_type_key(s) for s in distinct}) == 1:
         return [GroupSpec(names, values, uniform_type=True)]
     unified = unify_page_sizes(specs, policy)
     buckets: dict[KVCacheSpec, list[str]] = {}

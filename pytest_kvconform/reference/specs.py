@@ -28,6 +28,15 @@ def round_up(x: int, m: int) -> int:
     return ((x + m - 1) // m) * m
 
 
+def _cached_hash(self: AttentionSpec | MambaSpec) -> int:
+    """Field hash computed once per (immutable) spec: specs are hashed in every grouping step."""
+    try:
+        return self.__dict__["_hash"]
+    except KeyError:
+        h = self.__dict__["_hash"] = hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
+        return h
+
+
 @dataclass(frozen=True)
 class AttentionSpec:
     """``AttentionSpec`` (kv_cache_interface.py): K+V (or one MLA latent) per token and head.
@@ -81,6 +90,8 @@ class AttentionSpec:
     def page_size_bytes(self) -> int:
         return self.page_size_padded if self.page_size_padded is not None else self.real_page_size_bytes
 
+    __hash__ = _cached_hash
+
     def with_block_size(self, block_size: int) -> AttentionSpec:
         return dataclasses.replace(self, block_size=block_size)
 
@@ -130,6 +141,8 @@ class MambaSpec:
     @property
     def page_size_bytes(self) -> int:
         return self.page_size_padded if self.page_size_padded is not None else self.real_page_size_bytes
+
+    __hash__ = _cached_hash
 
     def with_block_size(self, block_size: int) -> MambaSpec:
         return dataclasses.replace(self, block_size=block_size)
