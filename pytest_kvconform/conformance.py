@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -50,8 +50,9 @@ def call_rule(backend: Any, rule: str, method: str, *args: Any, scenario: Scenar
     pytest.fail(message, pytrace=False)  # outside the except: no chained traceback
 
 
-def known_failure(backend: Any, item: pytest.Item) -> str | None:
-    """The reason a test is a known failure of ``backend`` (its ``known_failures`` data).
+def known_failure(backend: Any, item: pytest.Item, extra: Mapping[str, str] | None = None) -> str | None:
+    """The reason a test is a known failure of ``backend``: its ``known_failures`` data, plus
+    ``extra`` entries (``--kvconform-xfails`` files).
 
     Keys are ``"<rule>::<test name>"`` where ``*`` in the name matches anything and every other
     character is literal (so ``[`` of a parametrize id needs no escaping), e.g.
@@ -59,12 +60,47 @@ def known_failure(backend: Any, item: pytest.Item) -> str | None:
     """
     rule_marker = item.get_closest_marker("kvconform_rule")
     rule = rule_marker.args[0] if rule_marker is not None else ""
-    for key, reason in getattr(backend, "known_failures", {}).items():
+    entries = {**getattr(backend, "known_failures", {}), **(extra or {})}
+    for key, reason in entries.items():
         key_rule, _, pattern = key.partition("::")
         regex = ".*".join(re.escape(part) for part in (pattern or "*").split("*"))
         if key_rule == rule and re.fullmatch(regex, item.name):
             return str(reason)
     return None
+
+
+def load_xfails(path: Path, backend_name: str) -> dict[str, str]:
+    """Known failures kept as data, outside the backend's code (``--kvconform-xfails``)::
+
+        [[xfail]]
+        backend = "metal"            # optional: only for this backend
+        rule = "plan"
+        test = "test_plan[glm-5-*]"  # ``*`` matches anything
+        reason = "why, with the numbers"
+
+    Raises ``ValueError`` naming the file and the entry when it is malformed.
+    """
+    import tomllib
+
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ValueError(f"{path}: cannot read the xfails file ({exc})") from None
+    entries = data.get("xfail", [])
+    if set(data) - {"xfail"} or not isinstance(entries, list):
+        raise ValueError(f"{path}: expected only [[xfail]] tables")
+    out = {}
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, dict) or set(entry) - {"backend", "rule", "test", "reason"}:
+            raise ValueError(f"{path}: xfail[{i}]: expected keys backend, rule, test, reason")
+        missing = [k for k in ("rule", "test", "reason") if not isinstance(entry.get(k), str)]
+        if missing:
+            raise ValueError(f"{path}: xfail[{i}]: {', '.join(missing)} missing or not a string")
+        if entry["rule"] not in RULE_FAMILIES:
+            raise ValueError(f"{path}: xfail[{i}].rule: expected one of {', '.join(RULE_FAMILIES)}")
+        if entry.get("backend", backend_name) == backend_name:
+            out[f"{entry['rule']}::{entry['test']}"] = entry["reason"]
+    return out
 
 
 @dataclasses.dataclass(frozen=True)

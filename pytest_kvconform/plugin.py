@@ -34,6 +34,8 @@ class KVConformSession:
         self._backend: Any = None
         self._scenarios: list[Scenario] | None = None
         self.matrix: dict[str, Counter[str]] = defaultdict(Counter)
+        self.xfails_path = config.getoption("kvconform_xfails")
+        self.xfails: dict[str, str] = {}
         self.extra_scenario_paths = [Path(p) for p in config.getoption("kvconform_scenarios") or []]
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
@@ -121,6 +123,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="extra kv-scenario/1 TOML files or folders for the kv_scenario fixture (repeatable)",
     )
     group.addoption(
+        "--kvconform-xfails",
+        default=None,
+        metavar="PATH",
+        help="TOML file of known failures ([[xfail]] backend/rule/test/reason), run as strict xfails",
+    )
+    group.addoption(
         "--kvconform-report",
         default=None,
         metavar="PATH",
@@ -139,6 +147,13 @@ def pytest_configure(config: pytest.Config) -> None:
         session.backend  # noqa: B018 - resolve now: a bad name is a usage error before collection
     if session.extra_scenario_paths:
         session.scenarios()  # a malformed file is a usage error before collection
+    if session.xfails_path:
+        from .conformance import load_xfails
+
+        try:
+            session.xfails = load_xfails(Path(session.xfails_path), session.backend.name)
+        except ValueError as exc:
+            raise pytest.UsageError(f"--kvconform-xfails: {exc}") from None
     max_examples = config.getoption("kvconform_max_examples")
     if max_examples is not None:
         if max_examples < 1:
@@ -262,7 +277,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if rule is not None:
             from .conformance import known_failure
 
-            reason = known_failure(session.backend, item)
+            reason = known_failure(session.backend, item, session.xfails)
             if reason:
                 item.add_marker(pytest.mark.xfail(reason=reason, strict=True))
 

@@ -151,3 +151,31 @@ def test_backend_exception_fails_only_that_test(pytester: pytest.Pytester) -> No
     result.stdout.fnmatch_lines(
         ["*[[]one_sequence[]] backend 'raising'.one_sequence_bytes raised on scenario*RuntimeError: kaboom*"]
     )
+
+
+def test_xfails_file_turns_known_departures_into_strict_xfails(pytester: pytest.Pytester) -> None:
+    """Only the listed tests of the listed backend become strict xfails; other departures still fail."""
+    pytester.makepyfile(wrongbackend=WRONG_BACKEND)
+    pytester.syspathinsert()
+    xfails = pytester.path / "xfails.toml"
+    xfails.write_text(
+        # Granite aligned at 32 instead of 16: tiny 400 -> 416, micro 528 -> 544 (rules §9 e2).
+        '[[xfail]]\nbackend = "wrong-alignment"\nrule = "hybrid_alignment"\n'
+        'test = "test_hybrid_alignment[granite-*]"\nreason = "aligns to 32 (vllm-metal before PR #262)"\n'
+        '[[xfail]]\nbackend = "some-other-backend"\nrule = "hybrid_alignment"\ntest = "*"\n'
+        'reason = "not ours"\n'
+    )
+    backend = "--kvconform-backend=wrongbackend:WrongAlignment"
+    result, rules = _matrix(pytester, RULES_SUITE, backend, f"--kvconform-xfails={xfails}", "-k", "alignment")
+    assert rules["hybrid_alignment"]["xfailed"] == 2
+    failed = [line for line in result.stdout.lines if line.startswith("FAILED")]
+    assert failed and not any("granite" in line for line in failed)
+
+
+def test_malformed_xfails_file_is_a_usage_error(pytester: pytest.Pytester) -> None:
+    xfails = pytester.path / "xfails.toml"
+    xfails.write_text('[[xfail]]\nrule = "planning"\ntest = "*"\nreason = "x"\n')
+    pytester.makepyfile("def test_x(): pass")
+    result = pytester.runpytest(f"--kvconform-xfails={xfails}")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*xfails.toml: xfail[[]0[]].rule: expected one of dtype, attention_page*"])
