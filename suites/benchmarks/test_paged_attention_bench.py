@@ -17,10 +17,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import pytest
 
 mx = pytest.importorskip("mlx.core")
+np = pytest.importorskip("numpy")
 
 from pytest_kvconform.metal_runtime import (  # noqa: E402
     build_block_tables,
