@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from pytest_kvconform.conformance import call_rule
-from pytest_kvconform.reference.hybrid import hybrid_alignment
+from pytest_kvconform.reference.hybrid import block_and_padding, hybrid_alignment
 from pytest_kvconform.scenario import Scenario
 
 pytestmark = [pytest.mark.metal, pytest.mark.kvconform_rule("one_sequence")]
@@ -30,14 +30,13 @@ def _blocks_in_one_sequence(scenario: Scenario, one_sequence_bytes: int) -> tupl
     """
     from pytest_kvconform.metal_runtime import KVPool, layers_from_scenario
 
-    alignment = hybrid_alignment(scenario)
-    block = alignment.block_size if alignment is not None else scenario.runtime.block_size
+    block, padded = block_and_padding(scenario, hybrid_alignment(scenario))
     layers = layers_from_scenario(scenario)
     paged = [layer for layer in layers if layer.is_paged]
     per_block = KVPool(paged, 1, block, 0).bytes_per_block()
     assert scenario.model is not None
-    if alignment is not None and alignment.state_page_padded_bytes is not None:
-        state = scenario.model.num_state_layers * alignment.state_page_padded_bytes
+    if padded is not None:
+        state = scenario.model.num_state_layers * padded
     else:
         state = KVPool([x for x in layers if not x.is_paged], 0, block, 1).state_bytes()
     return max(0, one_sequence_bytes - state) // per_block, block

@@ -100,10 +100,8 @@ class MetalBackend(ReferenceBackend):
     def one_sequence_bytes(self, scenario: Scenario) -> int:
         from ..metal_runtime import KVPool
 
-        alignment = hybrid.hybrid_alignment(scenario)
-        block = alignment.block_size if alignment is not None else scenario.runtime.block_size
+        block, padded = hybrid.block_and_padding(scenario, hybrid.hybrid_alignment(scenario))
         layers = _scenario_layers(scenario)
-        padded = alignment.state_page_padded_bytes if alignment is not None else None
         if padded is None:
             return KVPool.one_sequence_bytes(scenario.runtime.max_model_len, block, layers)
         # vllm-metal PR #575: each state layer is billed at the padded page the upstream alignment set.

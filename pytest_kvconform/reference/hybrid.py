@@ -79,3 +79,11 @@ def hybrid_alignment(scenario: Scenario) -> HybridAlignment | None:
         use_mla=model.use_mla,
         extra_block_alignment=rt.extra_block_alignment if rt.mamba_cache_mode == "align" else 1,
     )
+
+
+def block_and_padding(scenario: Scenario, alignment: HybridAlignment | None) -> tuple[int, int | None]:
+    """The attention block size a scenario runs with and its padded state page (None: unpadded),
+    after ``alignment`` (None for a non-hybrid: the runtime's block size)."""
+    if alignment is None:
+        return scenario.runtime.block_size, None
+    return alignment.block_size, alignment.state_page_padded_bytes

@@ -11,6 +11,7 @@ from __future__ import annotations
 from ..model import HybridAlignment
 from ..scenario import Scenario
 from .attention import attention_spec, indexer_spec
+from .hybrid import block_and_padding
 from .mamba import state_spec
 from .specs import AttentionSpec, KVCacheSpec, MambaSpec
 
@@ -24,8 +25,7 @@ def layer_specs(scenario: Scenario, alignment: HybridAlignment | None = None) ->
         return _spec_level(scenario)
     model, rt = scenario.model, scenario.runtime
     assert model is not None
-    block = alignment.block_size if alignment is not None else rt.block_size
-    padded = alignment.state_page_padded_bytes if alignment is not None else None
+    block, padded = block_and_padding(scenario, alignment)
     mamba_block = block if rt.mamba_cache_mode == "align" else rt.max_model_len
     attn = model.attention
     built: dict[str, KVCacheSpec] = {}  # one spec object per kind: every such layer reports the same

@@ -77,9 +77,7 @@ class ReferenceRules:
 
     # -- one_sequence (vllm-metal)
     def one_sequence_bytes(self, scenario: Scenario) -> int:
-        alignment = hybrid.hybrid_alignment(scenario)
-        block = alignment.block_size if alignment is not None else scenario.runtime.block_size
-        padded = alignment.state_page_padded_bytes if alignment is not None else None
+        block, padded = hybrid.block_and_padding(scenario, hybrid.hybrid_alignment(scenario))
         return metal.one_sequence_kv_bytes(scenario, block, padded)
 
     # -- kernel_block (vllm-metal)
