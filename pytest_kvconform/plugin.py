@@ -31,6 +31,10 @@ class KVConformSession:
 
     def __init__(self, config: pytest.Config) -> None:
         self.backend_name, self.backend_origin = _selected_backend(config)
+        self.backend_options_raw: list[str] = [
+            *config.getini("kvconform_backend_options"),
+            *config.getoption("kvconform_backend_option"),
+        ]
         self._backend: Any = None
         self._scenarios: list[Scenario] | None = None
         self.matrix: dict[str, Counter[str]] = defaultdict(Counter)
@@ -52,15 +56,15 @@ class KVConformSession:
 
     @property
     def explicit(self) -> bool:
-        return self.backend_origin != "default"
+        return self.backend_origin != "default" or bool(self.backend_options_raw)
 
     @property
     def backend(self) -> Any:
         if self._backend is None:
-            from .backends.registry import BackendError, resolve_backend
+            from .backends.registry import BackendError, parse_options, resolve_backend
 
             try:
-                self._backend = resolve_backend(self.backend_name)
+                self._backend = resolve_backend(self.backend_name, parse_options(self.backend_options_raw))
             except BackendError as exc:
                 raise pytest.UsageError(f"--kvconform-backend: {exc}") from None
         return self._backend
@@ -110,6 +114,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         f"point of group pytest_kvconform.backends, or package.module:ClassName (env: {ENV_BACKEND})",
     )
     group.addoption(
+        "--kvconform-backend-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="keyword argument for the backend's constructor, as a string (repeatable; "
+        "ini: kvconform_backend_options, one per line)",
+    )
+    group.addoption(
         "--kvconform-max-examples",
         type=int,
         default=None,
@@ -135,6 +147,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="write the rule x outcome matrix to PATH (.json or .md)",
     )
     parser.addini("kvconform_backend", "default kvconform backend (see --kvconform-backend)", default="")
+    parser.addini(
+        "kvconform_backend_options", "KEY=VALUE options for the backend (see --kvconform-backend-option)",
+        type="linelist", default=[],
+    )  # fmt: skip
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -179,11 +195,14 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     backend = session.backend
     env = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("KVCONFORM_"))
     policy = getattr(backend, "unify_policy", None) or "per scenario"
+    notes = backend.notes() if callable(getattr(backend, "notes", None)) else []
+    if session.backend_options_raw:
+        notes.insert(0, "options: " + " ".join(session.backend_options_raw))
     line = (
         f"kvconform: backend={backend.name} ({backend.version}), reference=vLLM {VLLM_TARGET} rules, "
         f"unify policy={policy}, selected by {session.backend_origin}"
     )
-    return [line + (f", {env}" if env else "")]
+    return [line + "".join(f", {part}" for part in [*notes, env] if part)]
 
 
 # ----------------------------------------------------------------------------- fixtures

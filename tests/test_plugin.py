@@ -179,3 +179,40 @@ def test_malformed_xfails_file_is_a_usage_error(pytester: pytest.Pytester) -> No
     result = pytester.runpytest(f"--kvconform-xfails={xfails}")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*xfails.toml: xfail[[]0[]].rule: expected one of dtype, attention_page*"])
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        ("no-equals-sign", "*backend option 'no-equals-sign': expected KEY=VALUE*"),
+        ("colour=red", "*backend 'reference' takes no option colour; its options: none*"),
+    ],
+)
+def test_bad_backend_option_is_a_usage_error(pytester: pytest.Pytester, option: str, message: str) -> None:
+    pytester.makepyfile("def test_x(): pass")
+    result = pytester.runpytest("--kvconform-backend=reference", f"--kvconform-backend-option={option}")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([message])
+
+
+def test_backend_options_reach_the_constructor(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        optbackend="""
+        from pytest_kvconform.backends.base import ReferenceBackend
+
+        class Configured(ReferenceBackend):
+            name = "configured"
+
+            def __init__(self, device="cpu", seed="0"):
+                self.device, self.seed = device, seed
+
+            def notes(self):
+                return [f"device {self.device}"]
+        """
+    )
+    pytester.makeini("[pytest]\nkvconform_backend_options =\n    seed=7\n")
+    pytester.makepyfile("def test_x(kv_backend): assert (kv_backend.device, kv_backend.seed) == ('gpu', '7')")
+    pytester.syspathinsert()
+    result = pytester.runpytest("--kvconform-backend=optbackend:Configured", "--kvconform-backend-option=device=gpu")
+    assert result.ret == 0
+    result.stdout.fnmatch_lines(["kvconform: backend=configured *, options: seed=7 device=gpu, device gpu"])

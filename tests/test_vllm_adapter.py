@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -23,12 +24,22 @@ GIB = 1 << 30
 
 
 @pytest.fixture(scope="module")
-def va() -> Any:
+def va() -> Iterator[Any]:
+    """The adapter's modules, called under vLLM core's neutral platform (as the backend does)."""
     pytest.importorskip("vllm")
-    from pytest_kvconform.backends import vllm_adapter
+    from types import SimpleNamespace
 
-    vllm_adapter.vllm_runtime()  # the one import of vLLM in this process
-    return vllm_adapter
+    from pytest_kvconform.backends.vllm import hybrid, planning, runtime, specs
+    from pytest_kvconform.backends.vllm.platform import neutral_platform, platform_scope
+
+    runtime.vllm_runtime()  # the one import of vLLM in this process
+    neutral = neutral_platform()
+    with platform_scope(neutral):
+        yield SimpleNamespace(
+            runtime=runtime, specs=specs, planning=planning, neutral=neutral,
+            align_hybrid_block_size=lambda s: hybrid.align_hybrid_block_size(s, neutral),
+            state_shapes=lambda s: hybrid.state_shapes(s, neutral),
+        )  # fmt: skip
 
 
 def full(
@@ -48,13 +59,13 @@ def granite_tiny_state(block: int = 32768) -> MambaSpec:
 
 
 def test_planning_functions_found(va: Any) -> None:
-    rt = va.vllm_runtime()
+    rt = va.runtime.vllm_runtime()
     # 0.32 keeps them in kv_cache_utils, 0.33 moved them to kv_cache_planning (notes, top).
     for name in ("unify_kv_cache_spec_page_size", "get_kv_cache_groups", "_check_enough_kv_cache_memory",
                  "_estimate_max_model_len_from_groups", "get_kv_cache_configs"):  # fmt: skip
-        assert rt.locations[name] in va.PLANNING_MODULES
+        assert rt.locations[name] in va.runtime.PLANNING_MODULES
     assert re.fullmatch(r"\d+\.\d+\.\d+.*", rt.version)
-    assert va.installed_vllm_version() == rt.version
+    assert va.runtime.installed_vllm_version() == rt.version
 
 
 @pytest.mark.parametrize(
@@ -67,15 +78,15 @@ def test_planning_functions_found(va: Any) -> None:
     ],
 )
 def test_page_size_bytes(va: Any, spec: Any, expected: int) -> None:
-    assert va.page_size_bytes(spec) == expected
+    assert va.specs.page_size_bytes(spec) == expected
 
 
 def test_mla_layer_prices_packed_formats(va: Any) -> None:
     # notes §4e, DeepSeek-V3 MLA (head 512 + 64 = 576) at block 64.
-    assert va.mla_layer_spec("auto", 576, 64).page_size_bytes == 73_728
-    assert va.mla_layer_spec("fp8", 576, 64).page_size_bytes == 36_864
-    assert va.mla_layer_spec("fp8_ds_mla", 576, 64).page_size_bytes == 41_984
-    assert va.mla_layer_spec("nvfp4_ds_mla", 576, 64).page_size_bytes == 22_528
+    assert va.specs.mla_layer_spec("auto", 576, 64).page_size_bytes == 73_728
+    assert va.specs.mla_layer_spec("fp8", 576, 64).page_size_bytes == 36_864
+    assert va.specs.mla_layer_spec("fp8_ds_mla", 576, 64).page_size_bytes == 41_984
+    assert va.specs.mla_layer_spec("nvfp4_ds_mla", 576, 64).page_size_bytes == 22_528
 
 
 def test_mla_spec_from_cache_dtype_alone_prices_576(va: Any) -> None:
@@ -84,14 +95,14 @@ def test_mla_spec_from_cache_dtype_alone_prices_576(va: Any) -> None:
     mla = AttentionSpec(
         kind="mla", block_size=64, num_kv_heads=1, head_size=576, head_size_v=0, dtype="uint8"
     )
-    assert va.to_vllm_spec(mla, kv_cache_dtype="fp8_ds_mla").page_size_bytes == 64 * 576
+    assert va.specs.to_vllm_spec(mla, kv_cache_dtype="fp8_ds_mla").page_size_bytes == 64 * 576
 
 
 def test_dtype_bytes(va: Any) -> None:
     # notes §2e: fp8 -> uint8 (1 B), auto on a bf16 model -> 2 B, fp8_inc -> 1 B.
-    assert va.kv_cache_dtype_bytes("fp8", "bfloat16") == 1
-    assert va.kv_cache_dtype_bytes("auto", "bfloat16") == 2
-    assert va.kv_cache_dtype_bytes("fp8_inc", "float16") == 1
+    assert va.specs.kv_cache_dtype_bytes("fp8", "bfloat16") == 1
+    assert va.specs.kv_cache_dtype_bytes("auto", "bfloat16") == 2
+    assert va.specs.kv_cache_dtype_bytes("fp8_inc", "float16") == 1
 
 
 @pytest.mark.parametrize(
@@ -107,7 +118,7 @@ def test_dtype_bytes(va: Any) -> None:
     ],
 )  # fmt: skip
 def test_max_memory_usage_bytes(va: Any, spec: Any, runtime: RuntimeSettings, blocks: int) -> None:
-    assert va.max_memory_usage_bytes(spec, runtime) == blocks * 65_536
+    assert va.specs.max_memory_usage_bytes(spec, runtime) == blocks * 65_536
 
 
 def test_mamba_max_memory_by_cache_mode(va: Any) -> None:
@@ -116,17 +127,17 @@ def test_mamba_max_memory_by_cache_mode(va: Any) -> None:
         block_size=400, shapes=((3, 3328), (48, 64, 128)), dtypes=("bfloat16", "bfloat16"),
         page_size_padded=819_200, num_prefill_checkpoint_blocks=1,
     )  # fmt: skip
-    assert va.max_memory_usage_bytes(state, RuntimeSettings(mamba_cache_mode="none")) == 819_200
-    assert va.max_memory_usage_bytes(state, RuntimeSettings(mamba_cache_mode="align")) == 3 * 819_200
+    assert va.specs.max_memory_usage_bytes(state, RuntimeSettings(mamba_cache_mode="none")) == 819_200
+    assert va.specs.max_memory_usage_bytes(state, RuntimeSettings(mamba_cache_mode="align")) == 3 * 819_200
 
 
 def test_unify_scales_and_pads(va: Any) -> None:
     # environment.md §3: FA 8 heads + FA 4 heads -> the 4-head layer's block becomes 32;
     # FA + Mamba (1,064,960 B) -> FA keeps block 16 and is padded to the Mamba page.
-    out = va.unify_page_sizes({"a": full(), "b": full(heads=4)})
+    out = va.planning.unify_page_sizes({"a": full(), "b": full(heads=4)})
     assert out["b"].block_size == 32 and out["b"].page_size_padded is None
     mamba = MambaSpec(block_size=16, shapes=((4, 2048), (32, 64, 128)), dtypes=("bfloat16", "float32"))
-    out = va.unify_page_sizes({"a": full(), "m": mamba})
+    out = va.planning.unify_page_sizes({"a": full(), "m": mamba})
     assert out["a"].block_size == 16 and out["a"].page_size_padded == 1_064_960
     assert out["m"] == mamba
 
@@ -137,7 +148,7 @@ def test_unify_refuses_mla(va: Any) -> None:
         kind="mla", block_size=64, num_kv_heads=1, head_size=576, head_size_v=0, dtype="bfloat16"
     )
     with pytest.raises(NotImplementedError, match="Padding is only supported for non-MLA attention layers"):
-        va.unify_page_sizes({"mla": mla, "big": full(block=64, heads=8, head=160)})
+        va.planning.unify_page_sizes({"mla": mla, "big": full(block=64, heads=8, head=160)})
 
 
 def test_spec_round_trip(va: Any) -> None:
@@ -152,14 +163,14 @@ def test_spec_round_trip(va: Any) -> None:
                   mamba_type="gdn", page_size_padded=2_162_688),
     ]  # fmt: skip
     for spec in specs:
-        assert va.from_vllm_spec(va.to_vllm_spec(spec)) == spec
+        assert va.specs.from_vllm_spec(va.specs.to_vllm_spec(spec)) == spec
 
 
 def test_llama_admission_error_and_estimate(va: Any) -> None:
     # notes §17e: 32 layers × 65,536 B, L = 8192, 1 GiB -> "… (8192), (1.0 GiB … (1.0 GiB). …
     # estimated maximum model length is 8176. …"; 10 GiB -> 5120 blocks.
     specs = {f"model.layers.{i}.self_attn": full() for i in range(32)}
-    memory = va.check_memory(specs, RuntimeSettings(max_model_len=8192, kv_cache_memory_bytes=GIB))
+    memory = va.planning.check_memory(specs, RuntimeSettings(max_model_len=8192, kv_cache_memory_bytes=GIB))
     assert memory.bytes_per_block == 2 * 1024 * 1024
     assert memory.needed_bytes == GIB and memory.available_bytes == GIB - 2 * 1024 * 1024
     assert memory.max_model_len_estimate == 8176
@@ -170,10 +181,12 @@ def test_llama_admission_error_and_estimate(va: Any) -> None:
         "controls CPU memory on the CPU backend) or decreasing `max_model_len` when initializing the "
         "engine. See https://docs.vllm.ai/en/latest/configuration/conserving_memory/ for more details."
     )
-    roomy = va.check_memory(specs, RuntimeSettings(max_model_len=8192, kv_cache_memory_bytes=10 * GIB))
+    roomy = va.planning.check_memory(
+        specs, RuntimeSettings(max_model_len=8192, kv_cache_memory_bytes=10 * GIB)
+    )
     assert roomy.admission == "ok" and roomy.num_blocks == 5120
     # notes §17(d): one block of memory is all null block -> "No available memory".
-    starved = va.check_memory(
+    starved = va.planning.check_memory(
         specs, RuntimeSettings(max_model_len=8192, kv_cache_memory_bytes=2 * 1024 * 1024)
     )
     assert starved.admission.startswith("No available memory for the cache blocks.")
@@ -193,9 +206,9 @@ def test_granite_tiny_hybrid_alignment_and_pool(va: Any) -> None:
     from pytest_kvconform.reference.layers import layer_specs
 
     specs = layer_specs(scenario, alignment)
-    groups = va.kv_cache_groups(specs, scenario.runtime)
+    groups = va.planning.kv_cache_groups(specs, scenario.runtime)
     assert len(groups) == 10 and {len(g.layer_names) for g in groups} == {4}  # notes §15e
-    pool = va.plan_pool(specs, scenario.runtime)
+    pool = va.planning.plan_pool(specs, scenario.runtime)
     assert pool.memory.bytes_per_block == 3_276_800  # notes §16e
     assert pool.memory.num_blocks == 2621  # notes §19e: 8 GiB // 3,276,800
     assert round(pool.max_concurrency, 2) == 28.80  # notes §19e, none mode, L = 32,768
@@ -206,7 +219,7 @@ def test_backend_matches_reference_plan(va: Any) -> None:
     from pytest_kvconform.reference import plan
 
     backend = VllmBackend()
-    assert backend.name == "vllm" and backend.version == va.installed_vllm_version()
+    assert backend.name == "vllm" and backend.version == va.runtime.installed_vllm_version()
     assert set(backend.not_provided) == {"one_sequence", "kernel_block"}
     scenario = load_scenario("granite-4.0-h-tiny")
     assert backend.plan(scenario) == plan(scenario)

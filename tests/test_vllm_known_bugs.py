@@ -13,6 +13,7 @@ vLLM. The module skips when vLLM is absent.
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,12 +57,23 @@ BLOCK_656 = planner_block(FP8_DS_MLA)  # what the 656 B/token layer needs
 
 
 @pytest.fixture(scope="module")
-def va() -> Any:
+def va() -> Iterator[Any]:
+    """The adapter's modules, called under vLLM core's neutral platform (as the backend does)."""
     pytest.importorskip("vllm")
-    from pytest_kvconform.backends import vllm_adapter
+    from types import SimpleNamespace
 
-    vllm_adapter.vllm_runtime()  # the one import of vLLM in this process
-    return vllm_adapter
+    from pytest_kvconform.backends.vllm import configs, hybrid, offline, planning, runtime, specs
+    from pytest_kvconform.backends.vllm.platform import neutral_platform, platform_scope
+
+    runtime.vllm_runtime()  # the one import of vLLM in this process
+    neutral = neutral_platform()
+    with platform_scope(neutral):
+        yield SimpleNamespace(
+            runtime=runtime, specs=specs, planning=planning, configs=configs,
+            vllm_config=lambda s: offline.vllm_config(s, neutral),
+            align_hybrid_block_size=lambda s: hybrid.align_hybrid_block_size(s, neutral),
+            state_shapes=lambda s: hybrid.state_shapes(s, neutral),
+        )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +87,7 @@ def test_notes_numbers() -> None:
 
 
 def test_probe_is_built_as_kimi_linear(va: Any, probe: Scenario) -> None:
-    config = va.hf_config_dict(probe)
+    config = va.configs.hf_config_dict(probe)
     assert (config["architectures"], config["model_type"]) == (["KimiLinearForCausalLM"], "kimi_linear")
     assert config["linear_attn_config"]["full_attn_layers"] == [4, 8]
     assert va.state_shapes(probe) == ((3, 3 * 32 * 128), (32, 128, 128))
@@ -98,10 +110,10 @@ def test_vllm_hybrid_block_prices_fp8_ds_mla_at_576(va: Any, probe: Scenario) ->
 def test_layer_prices_656_while_planner_prices_576(va: Any, probe: Scenario) -> None:
     """The MLA layer's spec (``MLAAttention.get_kv_cache_spec``) is 656 B/token; the spec the
     planner builds (same arguments as platforms/interface.py, no ``state_content_bytes``) is 576."""
-    layer = va.mla_layer_spec("fp8_ds_mla", head_size=MLA_LATENT, block_size=1)
+    layer = va.specs.mla_layer_spec("fp8_ds_mla", head_size=MLA_LATENT, block_size=1)
     assert layer.page_size_bytes == FP8_DS_MLA
-    config = va._hybrid_vllm_config(probe)
-    kci = va.vllm_runtime().kv_cache_interface
+    config = va.vllm_config(probe)
+    kci = va.runtime.vllm_runtime().kv_cache_interface
     from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
 
     planner = kci.MLAAttentionSpec(
@@ -118,7 +130,7 @@ def test_unify_repads_the_state_at_vllms_block(va: Any, probe: Scenario) -> None
     ``unify_kv_cache_spec_page_size`` re-pads the state: +16.04 % instead of +0.57 %."""
     specs = layer_specs(probe, va.align_hybrid_block_size(probe))
     assert {x.page_size_bytes for x in specs.values()} == {BLOCK_576 * FP8_DS_MLA, BLOCK_576 * MLA_LATENT}
-    out = va.unify_page_sizes(specs)
+    out = va.planning.unify_page_sizes(specs)
     assert {x.page_size_bytes for x in out.values() if isinstance(x, MambaSpec)} == {2_519_040}
     assert {(x.block_size, x.page_size_bytes) for x in out.values() if isinstance(x, AttentionSpec)} == {
         (BLOCK_576, 2_519_040)

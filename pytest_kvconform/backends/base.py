@@ -58,6 +58,10 @@ class ReferenceBackend(ReferenceRules):
     def version(self) -> str:
         return f"reference rules of vLLM {VLLM_TARGET}"
 
+    def notes(self) -> list[str]:
+        """Facts about how this backend answers (its platform, its device), for the header."""
+        return []
+
     def unsupported(self, scenario: Scenario) -> str | None:
         """Why this backend cannot model ``scenario`` at all, or None.
 

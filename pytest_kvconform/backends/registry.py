@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 from importlib.metadata import entry_points
 from typing import Any
 
@@ -39,8 +40,19 @@ def _load(target: str, name: str, hint: str) -> Any:
         raise BackendError(f"backend {name!r}: module {module_name!r} has no attribute {attr!r}") from None
 
 
-def resolve_backend(name: str) -> Any:
-    """Return an instance of the backend called ``name``."""
+def parse_options(items: list[str]) -> dict[str, str]:
+    """``["key=value", ...]`` -> ``{"key": "value"}``; a malformed item is a :class:`BackendError`."""
+    options: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip().isidentifier():
+            raise BackendError(f"backend option {item!r}: expected KEY=VALUE with KEY a Python identifier")
+        options[key.strip()] = value.strip()
+    return options
+
+
+def resolve_backend(name: str, options: dict[str, str] | None = None) -> Any:
+    """Return an instance of the backend called ``name``, constructed with ``options`` (strings)."""
     if name in BUILTINS:
         target, hint = BUILTINS[name]
         cls = _load(target, name, hint)
@@ -60,10 +72,24 @@ def resolve_backend(name: str) -> Any:
                 f"unknown kvconform backend {name!r}; available: {', '.join(available_backends())}, "
                 "or give package.module:ClassName"
             )
-    try:
-        backend = cls() if isinstance(cls, type) else cls
-    except Exception as exc:  # a backend's constructor may probe its runtime
-        raise BackendError(f"backend {name!r} failed to start: {exc!r}") from exc
+    options = options or {}
+    if not isinstance(cls, type):
+        if options:
+            raise BackendError(f"backend {name!r} is an instance; it takes no options")
+        backend = cls
+    else:
+        try:
+            inspect.signature(cls).bind(**options)
+        except TypeError:
+            params = [p for p in inspect.signature(cls).parameters if p not in ("args", "kwargs")]
+            unknown = ", ".join(sorted(set(options) - set(params))) or ", ".join(options)
+            raise BackendError(
+                f"backend {name!r} takes no option {unknown}; its options: {', '.join(params) or 'none'}"
+            ) from None
+        try:
+            backend = cls(**options)
+        except Exception as exc:  # a backend's constructor may probe its runtime
+            raise BackendError(f"backend {name!r} failed to start: {exc!r}") from exc
     for attr in ("name", "plan"):
         if not hasattr(backend, attr):
             raise BackendError(f"backend {name!r} ({cls!r}) is not a kvconform backend: no {attr!r}")

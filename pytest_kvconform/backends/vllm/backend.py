@@ -1,24 +1,37 @@
 """The ``vllm`` backend: every rule real vLLM code can answer, answered by vLLM.
 
-Each method calls :mod:`pytest_kvconform.backends.vllm_adapter`, which imports vLLM once
-per process and calls vLLM's own functions (its module docstring lists which function
-answers which rule, in vLLM 0.32 and 0.33). vLLM has no code for the vllm-metal rules
-(one-sequence bytes, the Metal kernel block), so those are inherited unchanged and listed
-in ``not_provided``; their tests skip.
+Each method calls a module of this package, which imports vLLM once per process and calls
+vLLM's own functions (docs/vllm-backend.md lists which function answers which rule, in vLLM
+0.32 and 0.33), under the platform the backend was given (:mod:`.platform`; default: vLLM
+core's neutral ``Platform``, never the test host's). vLLM has no code for the vllm-metal
+rules (one-sequence bytes, the Metal kernel block), so those are listed in ``not_provided``;
+their tests skip.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import ClassVar
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, ClassVar, TypeVar
 
-from ..model import HybridAlignment, KVCacheGroup, KVPlan, MemoryCheck
-from ..reference.mamba import Shapes
-from ..reference.plan import compose_plan
-from ..reference.specs import AttentionSpec, KVCacheSpec, MambaSpec
-from ..scenario import RuntimeSettings, Scenario
-from . import vllm_adapter as va
-from .base import ReferenceBackend
+from ...model import HybridAlignment, KVCacheGroup, KVPlan, MemoryCheck
+from ...reference.mamba import Shapes
+from ...reference.plan import compose_plan
+from ...reference.specs import AttentionSpec, KVCacheSpec, MambaSpec
+from ...scenario import RuntimeSettings, Scenario
+from ..base import ReferenceBackend
+from . import configs, hybrid, planning
+from . import specs as vllm_specs
+from .platform import HookChange, platform_name, platform_scope, resolve_platform
+from .runtime import (
+    INSTALL_HINT,
+    UnsupportedByVllmError,
+    VllmUnavailableError,
+    installed_vllm_version,
+    is_vllm_installed,
+)
+
+T = TypeVar("T")
 
 #: vLLM's page unification (``unify_kv_cache_spec_page_size``) pads to the largest page.
 VLLM_UNIFY_POLICY = "pad-to-max"
@@ -59,9 +72,41 @@ class VllmBackend(ReferenceBackend):
         "plan::test_plan_golden[vllm-b2-kimi-linear-mla-kda-fp8-ds-mla]": _B2_MLA_HYBRID,
     }
 
-    def __init__(self) -> None:
-        if not va.is_vllm_installed():
-            raise va.VllmUnavailableError(f"vLLM is not installed: {va.INSTALL_HINT}")
+    #: The vLLM platform class whose config hooks run: None is vLLM core's neutral ``Platform``;
+    #: a class or ``"package.module:Class"`` names another (a plugin's own).
+    platform: ClassVar[type | str | None] = None
+
+    def __init__(self, platform: type | str | None = None) -> None:
+        if not is_vllm_installed():
+            raise VllmUnavailableError(f"vLLM is not installed: {INSTALL_HINT}")
+        self._platform_arg = platform if platform is not None else type(self).platform
+        self._platform: type | None = None
+        #: scenario name -> settings the platform's hooks changed while answering for it
+        self.departures: dict[str, list[HookChange]] = {}
+
+    @property
+    def platform_cls(self) -> type:
+        """The platform class (resolving it imports vLLM)."""
+        if self._platform is None:
+            self._platform = resolve_platform(self._platform_arg)
+        return self._platform
+
+    def notes(self) -> list[str]:
+        """For the header: whose config hooks and block-size phases are applied."""
+        return [f"vLLM platform rules: {platform_name(self._platform_arg)}"]
+
+    @contextlib.contextmanager
+    def _scope(self, scenario: Scenario | None) -> Iterator[None]:
+        """vLLM calls under this backend's platform; hook changes are kept per scenario."""
+        with platform_scope(self.platform_cls) as log:
+            yield
+        if scenario is not None and log.changes:
+            kept = self.departures.setdefault(scenario.name, [])
+            kept.extend(c for c in log.changes if c not in kept)
+
+    def _call(self, scenario: Scenario | None, fn: Callable[..., T], *args: Any) -> T:
+        with self._scope(scenario):
+            return fn(*args)
 
     def policy_for(self, scenario: Scenario) -> str:
         """vLLM has one policy; a scenario asking for another cannot be answered by vLLM."""
@@ -87,48 +132,48 @@ class VllmBackend(ReferenceBackend):
                 "MLA at 576 B/token (no state_content_bytes)"
             )
         try:
-            va.hf_config_dict(scenario)
-        except va.UnsupportedByVllmError as exc:
+            configs.hf_config_dict(scenario)
+        except UnsupportedByVllmError as exc:
             return str(exc)
         return None
 
     @property
     def version(self) -> str:
         """The installed vLLM version (package metadata; vLLM itself is imported on first rule)."""
-        return va.installed_vllm_version()
+        return installed_vllm_version()
 
     # -- dtype
     def kv_cache_dtype_bytes(self, kv_cache_dtype: str, model_dtype: str) -> int:
         """``get_dtype_size(kv_cache_dtype_str_to_dtype(...))``."""
-        return va.kv_cache_dtype_bytes(kv_cache_dtype, model_dtype)
+        return self._call(None, vllm_specs.kv_cache_dtype_bytes, kv_cache_dtype, model_dtype)
 
     # -- attention_page / state_page / max_memory
     def attention_page_bytes(self, spec: AttentionSpec) -> int:
         """``<AttentionSpec subclass>.page_size_bytes``."""
-        return va.page_size_bytes(spec)
+        return self._call(None, vllm_specs.page_size_bytes, spec)
 
     def state_shapes(self, scenario: Scenario) -> Shapes:
         """``<ModelClass>.get_mamba_state_shape_from_config`` for a generated config.json."""
-        return va.state_shapes(scenario)
+        return self._call(scenario, hybrid.state_shapes, scenario, self.platform_cls)
 
     def state_page_bytes(self, spec: MambaSpec) -> int:
         """``MambaSpec.page_size_bytes``."""
-        return va.page_size_bytes(spec)
+        return self._call(None, vllm_specs.page_size_bytes, spec)
 
     def max_memory_usage_bytes(self, spec: KVCacheSpec, runtime: RuntimeSettings) -> int:
         """``<Spec>.max_memory_usage_bytes(vllm_config)``."""
-        return va.max_memory_usage_bytes(spec, runtime)
+        return self._call(None, vllm_specs.max_memory_usage_bytes, spec, runtime)
 
     # -- hybrid_alignment
     def align_hybrid_block_size(self, scenario: Scenario) -> HybridAlignment | None:
-        """``Platform._align_hybrid_block_size`` on a ``ModelConfig`` of the scenario."""
-        return va.align_hybrid_block_size(scenario)
+        """``<platform>._align_hybrid_block_size`` on the scenario's offline ``VllmConfig``."""
+        return self._call(scenario, hybrid.align_hybrid_block_size, scenario, self.platform_cls)
 
     # -- unification
     def unify_page_sizes(self, specs: dict[str, KVCacheSpec], policy: str) -> dict[str, KVCacheSpec]:
         """``unify_kv_cache_spec_page_size`` (vLLM implements only ``pad-to-max``)."""
         _check_policy(policy)
-        return va.unify_page_sizes(specs)
+        return self._call(None, planning.unify_page_sizes, specs)
 
     # -- grouping
     def kv_cache_groups(
@@ -136,7 +181,7 @@ class VllmBackend(ReferenceBackend):
     ) -> list[KVCacheGroup]:
         """``get_kv_cache_groups`` (0.33: ``get_global_kv_cache_groups``)."""
         _check_policy(policy)
-        return va.kv_cache_groups(specs, runtime)
+        return self._call(None, planning.kv_cache_groups, specs, runtime)
 
     # -- memory
     def check_memory(
@@ -144,14 +189,14 @@ class VllmBackend(ReferenceBackend):
     ) -> MemoryCheck:
         """``get_kv_cache_configs`` and its ``_check_enough_kv_cache_memory``."""
         _check_policy(policy)
-        return va.check_memory(specs, runtime)
+        return self._call(None, planning.check_memory, specs, runtime)
 
     def estimate_max_model_len(
         self, specs: dict[str, KVCacheSpec], runtime: RuntimeSettings, available: int, policy: str
     ) -> int:
         """``_estimate_max_model_len_from_groups``."""
         _check_policy(policy)
-        return va.estimate_max_model_len(specs, runtime, available)
+        return self._call(None, planning.estimate_max_model_len, specs, runtime, available)
 
     # -- plan
     def plan(self, scenario: Scenario) -> KVPlan:
@@ -166,6 +211,6 @@ class VllmBackend(ReferenceBackend):
 
 def _check_policy(policy: str) -> None:
     if policy != VLLM_UNIFY_POLICY:
-        raise va.UnsupportedByVllmError(
+        raise UnsupportedByVllmError(
             f"vLLM implements only the {VLLM_UNIFY_POLICY!r} page unification, not {policy!r}"
         )

@@ -1,0 +1,85 @@
+"""The ``VllmConfig`` the spec-level rules hand to vLLM: a real one, seen through a view.
+
+vLLM's KV planning reads ``model_config`` (``max_model_len``, ``original_max_model_len``, in
+0.33 ``supports_kv_cache_grouping`` and, with speculative decoding, ``hf_config``) and
+``max_concurrent_batches``. For per-spec rules that have no model, :class:`VllmConfigView`
+replaces just those two on a real ``VllmConfig()`` built from the runtime settings; every
+other attribute (cache, scheduler and parallel configs, the layout, the config builder) is
+vLLM's own.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+from ...scenario import RuntimeSettings
+
+
+@dataclass
+class ModelConfigStandIn:
+    """What KV planning reads from ``ModelConfig`` (and ``kv_cache_dtype_str_to_dtype``)."""
+
+    max_model_len: int
+    dtype: Any = None
+    hf_config: Any = None
+    #: vLLM 0.33's config builder asks whether the model class owns the grouping; a
+    #: spec-level check has no model class, so vLLM's default grouping applies.
+    supports_kv_cache_grouping: bool = False
+
+    @property
+    def original_max_model_len(self) -> int:
+        return self.max_model_len
+
+
+class VllmConfigView:
+    """A real ``VllmConfig`` with ``model_config`` and ``max_concurrent_batches`` replaced.
+
+    Every other attribute is the wrapped config's. ``max_in_flight_tokens`` runs vLLM's
+    own property on this view, so it multiplies the replaced ``max_concurrent_batches``
+    by the real ``scheduler_config.max_num_batched_tokens``.
+    """
+
+    def __init__(self, base: Any, model_config: Any, *, max_concurrent_batches: int) -> None:
+        object.__setattr__(self, "_base", base)
+        object.__setattr__(self, "model_config", model_config)
+        object.__setattr__(self, "max_concurrent_batches", max_concurrent_batches)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._base, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in ("model_config", "max_concurrent_batches"):
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._base, name, value)
+
+    @property
+    def max_in_flight_tokens(self) -> int:
+        prop = inspect.getattr_static(type(self._base), "max_in_flight_tokens")
+        return int(prop.fget(self))
+
+
+def base_config(rt: RuntimeSettings) -> Any:
+    """A fresh ``VllmConfig()`` (no model) with the runtime's cache and scheduler settings."""
+    from vllm.config import CacheConfig, SchedulerConfig, VllmConfig
+
+    cache = CacheConfig(
+        block_size=rt.block_size, num_gpu_blocks_override=rt.num_gpu_blocks_override,
+        enable_prefix_caching=rt.mamba_cache_mode == "align",
+    )  # fmt: skip
+    cache.mamba_cache_mode = rt.mamba_cache_mode  # what MambaSpec.max_memory_usage_bytes reads
+    scheduler = SchedulerConfig(
+        max_model_len=rt.max_model_len, is_encoder_decoder=False,
+        max_num_batched_tokens=rt.max_num_batched_tokens,
+    )  # fmt: skip
+    return VllmConfig(cache_config=cache, scheduler_config=scheduler)
+
+
+def spec_level_config(rt: RuntimeSettings) -> VllmConfigView:
+    """The config the spec-level functions hand to vLLM for ``rt``."""
+    return VllmConfigView(
+        base_config(rt), ModelConfigStandIn(max_model_len=rt.max_model_len),
+        max_concurrent_batches=rt.max_concurrent_batches,
+    )  # fmt: skip

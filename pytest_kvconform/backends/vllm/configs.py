@@ -1,0 +1,230 @@
+"""Offline config.json writers: one per architecture, in that family's own spelling.
+
+A writer turns a scenario's ``[model]`` into the config.json (no weights) that makes vLLM see
+the same geometry; :func:`hf_config_dict` looks the architecture up in :data:`WRITERS`. A
+scenario the family's config cannot express raises :class:`UnsupportedByVllmError` naming the
+field. Add a family with ``@writer("SomeForCausalLM")``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from typing import Any
+
+from ...scenario import ModelGeometry, Scenario
+from .runtime import UnsupportedByVllmError
+
+ConfigWriter = Callable[[Scenario, dict[str, Any]], dict[str, Any]]
+
+#: architecture -> writer(scenario, common fields) -> config.json dict
+WRITERS: dict[str, ConfigWriter] = {}
+
+
+def writer(*architectures: str) -> Callable[[ConfigWriter], ConfigWriter]:
+    def register(fn: ConfigWriter) -> ConfigWriter:
+        for arch in architectures:
+            WRITERS[arch] = fn
+        return fn
+
+    return register
+
+
+def hf_config_dict(scenario: Scenario) -> dict[str, Any]:
+    """The config.json that makes vLLM see the scenario's model (see :data:`WRITERS`)."""
+    model, rt = scenario.model, scenario.runtime
+    if model is None or model.state is None or model.attention is None:
+        raise UnsupportedByVllmError(f"{scenario.name}: not a model-level hybrid scenario")
+    write = WRITERS.get(model.architecture)
+    if write is None:
+        raise UnsupportedByVllmError(
+            f"{model.architecture}: no config.json writer (have: {', '.join(sorted(WRITERS))})"
+        )
+    common: dict[str, Any] = {
+        "architectures": [model.architecture], "num_hidden_layers": model.num_hidden_layers,
+        "vocab_size": 1024, "max_position_embeddings": max(rt.max_model_len, 4096),
+        "torch_dtype": model.dtype, "intermediate_size": 256,
+    }  # fmt: skip
+    return write(scenario, common)
+
+
+def _state(scenario: Scenario, kind: str) -> Any:
+    model = scenario.model
+    assert model is not None and model.state is not None
+    if model.state.kind != kind:
+        raise UnsupportedByVllmError(
+            f"{model.architecture}: state kind {model.state.kind!r}, expected {kind!r}"
+        )
+    return model.state
+
+
+def _no_state_dtype_field(scenario: Scenario) -> None:
+    model = scenario.model
+    assert model is not None and model.state is not None
+    if model.state.ssm_dtype != "auto":
+        raise UnsupportedByVllmError(
+            f"{model.architecture}: config.json has no field for the state dtype {model.state.ssm_dtype}"
+        )
+
+
+def layer_list(model: ModelGeometry, attention: str, state: str, other: str | None = None) -> list[str]:
+    """The layer string spelled with the family's names for each code."""
+    names = {"A": attention, "M": state}
+    if other is not None:
+        names["-"] = other
+    bad = sorted(set(model.layers) - set(names))
+    if bad:
+        raise UnsupportedByVllmError(
+            f"{model.architecture}: layer code(s) {''.join(bad)!r} have no spelling in its config.json"
+        )
+    return [names[c] for c in model.layers]
+
+
+def attention_fields(model: ModelGeometry) -> dict[str, Any]:
+    attn = model.attention
+    assert attn is not None
+    if attn.kind != "gqa" or attn.head_dim_v is not None:
+        raise UnsupportedByVllmError(f"{model.architecture}: only GQA attention with head_dim_v == head_dim")
+    heads = attn.num_attention_heads or max(attn.num_kv_heads, 1) * 4
+    return {"num_attention_heads": heads, "num_key_value_heads": attn.num_kv_heads, "head_dim": attn.head_dim}
+
+
+@writer("GraniteMoeHybridForCausalLM")
+def granite_moe_hybrid(scenario: Scenario, common: dict[str, Any]) -> dict[str, Any]:
+    """``layer_types`` of attention/mamba and ``mamba_*`` (configuration_granitemoehybrid)."""
+    model, st = scenario.model, _state(scenario, "mamba2")
+    assert model is not None
+    _no_state_dtype_field(scenario)
+    expand = 2 if st.intermediate_size % 2 == 0 else 1
+    return {
+        **common, **attention_fields(model), "model_type": "granitemoehybrid",
+        "hidden_size": st.intermediate_size // expand, "mamba_expand": expand,
+        "layer_types": layer_list(model, "attention", "mamba"),
+        "mamba_n_heads": st.n_heads, "mamba_d_head": st.head_dim, "mamba_d_state": st.d_state,
+        "mamba_n_groups": st.n_groups, "mamba_d_conv": st.conv_kernel, "num_local_experts": 0,
+    }  # fmt: skip
+
+
+@writer("NemotronHForCausalLM")
+def nemotron_h(scenario: Scenario, common: dict[str, Any]) -> dict[str, Any]:
+    """``hybrid_override_pattern`` of ``*``/``M``/``-`` and ``mamba_ssm_cache_dtype``."""
+    model, st = scenario.model, _state(scenario, "mamba2")
+    assert model is not None
+    if st.intermediate_size != st.n_heads * st.head_dim:
+        raise UnsupportedByVllmError(
+            f"{model.architecture}: vLLM derives intermediate_size = mamba_num_heads * mamba_head_dim "
+            f"({st.n_heads * st.head_dim}), the scenario has {st.intermediate_size}"
+        )
+    return {
+        **common, **attention_fields(model), "model_type": "nemotron_h",
+        "hidden_size": st.intermediate_size // 2, "expand": 2,
+        "hybrid_override_pattern": "".join(layer_list(model, "*", "M", "-")),
+        "mamba_num_heads": st.n_heads, "mamba_head_dim": st.head_dim, "ssm_state_size": st.d_state,
+        "n_groups": st.n_groups, "conv_kernel": st.conv_kernel,
+        "mamba_ssm_cache_dtype": model.dtype if st.ssm_dtype == "auto" else st.ssm_dtype,
+    }  # fmt: skip
+
+
+QWEN35 = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
+_SMALL_MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+              "shared_expert_intermediate_size": 64}  # fmt: skip
+
+
+def qwen35_model_class_importable() -> bool:
+    """vLLM's Qwen3.5 model classes import torchvision (via qwen3_vl); the CPU recipe removes it."""
+    return importlib.util.find_spec("torchvision") is not None
+
+
+@writer("Qwen3NextForCausalLM", *QWEN35)
+def qwen_gdn(scenario: Scenario, common: dict[str, Any]) -> dict[str, Any]:
+    """``layer_types`` of full/linear_attention and ``linear_*`` (Qwen3.5: inside
+    ``text_config``, plus ``mamba_ssm_dtype``)."""
+    model, st = scenario.model, _state(scenario, "gdn")
+    assert model is not None
+    arch = model.architecture
+    text = {
+        **attention_fields(model), "num_hidden_layers": model.num_hidden_layers, "vocab_size": 1024,
+        "hidden_size": 1024, "intermediate_size": 256,
+        "max_position_embeddings": common["max_position_embeddings"],
+        "layer_types": layer_list(model, "full_attention", "linear_attention"),
+        "linear_num_key_heads": st.num_key_heads, "linear_num_value_heads": st.num_value_heads,
+        "linear_key_head_dim": st.key_head_dim, "linear_value_head_dim": st.value_head_dim,
+        "linear_conv_kernel_dim": st.conv_kernel, "torch_dtype": model.dtype,
+    }  # fmt: skip
+    if arch in QWEN35 and not qwen35_model_class_importable():
+        # vLLM's qwen3_5.py imports qwen3_vl, whose image processor needs torchvision, which
+        # the CPU install must remove. Qwen3Next's model class computes the GDN state with the
+        # same calls; offline.py then applies Qwen3.5's mamba_ssm_dtype rule with vLLM's own
+        # Qwen3_5ForConditionalGenerationConfig.
+        text.update(architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", **_SMALL_MOE,
+                    kvconform_substitutes=arch)  # fmt: skip
+        if st.ssm_dtype != "auto":
+            text["mamba_ssm_dtype"] = st.ssm_dtype
+        return text
+    if arch == "Qwen3NextForCausalLM":
+        _no_state_dtype_field(scenario)
+        return {**common, **text, "model_type": "qwen3_next", **_SMALL_MOE}
+    moe = arch == "Qwen3_5MoeForConditionalGeneration"
+    text["model_type"] = "qwen3_5_moe_text" if moe else "qwen3_5_text"
+    if moe:
+        text.update(_SMALL_MOE)
+    if st.ssm_dtype != "auto":
+        text["mamba_ssm_dtype"] = st.ssm_dtype
+    return {"architectures": [arch], "model_type": "qwen3_5_moe" if moe else "qwen3_5",
+            "text_config": text, "torch_dtype": model.dtype}  # fmt: skip
+
+
+@writer("KimiLinearForCausalLM")
+def kimi_linear(scenario: Scenario, common: dict[str, Any]) -> dict[str, Any]:
+    """MLA attention layers + KDA state layers.
+
+    The config class is vLLM's own ``KimiLinearConfig`` (vllm/transformers_utils/configs/
+    kimi_linear.py, registered for ``model_type = "kimi_linear"``), so no transformers class and
+    no hub access is needed. vLLM reads the MLA latent from ``kv_lora_rank`` +
+    ``qk_rope_head_dim`` (``get_head_size``; ``use_mla`` because ``kimi_linear`` is a
+    DeepSeek-MLA model type) and the KDA state from ``linear_attn_config`` (``num_heads``,
+    ``head_dim``, ``short_conv_kernel_size``; ``kda_state_shape``). Layers are listed 1-based in
+    ``kda_layers`` / ``full_attn_layers``. The KDA recurrent state is float32 unless
+    ``--mamba-ssm-cache-dtype`` says otherwise: the config has no field for it.
+    """
+    model, st = scenario.model, _state(scenario, "kda")
+    assert model is not None and model.attention is not None
+    attn = model.attention
+    if attn.kind != "mla" or attn.indexer_head_dim:
+        raise UnsupportedByVllmError(
+            f"{model.architecture}: full-attention layers are MLA without an indexer (kind {attn.kind!r})"
+        )
+    codes = layer_list(model, "A", "M")
+    rope = attn.qk_rope_head_dim
+    return {
+        **common, "model_type": "kimi_linear", "hidden_size": 1024, "num_attention_heads": 8,
+        "num_key_value_heads": 8, "kv_lora_rank": attn.kv_lora_rank, "qk_rope_head_dim": rope,
+        # get_head_size distrusts qk_rope_head_dim == qk_nope_head_dim (a transformers bug).
+        "qk_nope_head_dim": rope + 64, "v_head_dim": 128, "q_lora_rank": None, "mla_use_nope": True,
+        "linear_attn_config": {
+            "kda_layers": [i + 1 for i, c in enumerate(codes) if c == "M"],
+            "full_attn_layers": [i + 1 for i, c in enumerate(codes) if c == "A"],
+            "num_heads": st.num_heads, "head_dim": st.head_dim, "short_conv_kernel_size": st.conv_kernel,
+        },
+    }  # fmt: skip
+
+
+@writer("JambaForCausalLM")
+def jamba(scenario: Scenario, common: dict[str, Any]) -> dict[str, Any]:
+    """A periodic ``attn_layer_period`` / ``attn_layer_offset`` and ``mamba_*``."""
+    model, st = scenario.model, _state(scenario, "mamba1")
+    assert model is not None
+    attn = [i for i, c in enumerate(model.layers) if c == "A"]
+    period = attn[1] - attn[0] if len(attn) > 1 else model.num_hidden_layers
+    if not attn or attn != list(range(attn[0], model.num_hidden_layers, period)) or attn[0] >= period:
+        raise UnsupportedByVllmError(
+            f"{model.architecture}: attention layers are not periodic ({model.layers})"
+        )
+    expand = 2 if st.intermediate_size % 2 == 0 else 1
+    return {
+        **common, **attention_fields(model), "model_type": "jamba",
+        "hidden_size": st.intermediate_size // expand, "mamba_expand": expand,
+        "attn_layer_period": period, "attn_layer_offset": attn[0], "mamba_d_state": st.d_state,
+        "mamba_d_conv": st.conv_kernel, "mamba_dt_rank": 64, "num_experts": 1, "expert_layer_period": 1,
+        "expert_layer_offset": 0,
+    }  # fmt: skip

