@@ -14,15 +14,23 @@ from typing import Any
 
 import pytest
 
-from .backends.base import RULE_FAMILIES, ReferenceBackend, RuleNotApplicable
+from .backends.base import METHOD_FAMILY, RULE_FAMILIES, ReferenceBackend
+from .errors import REJECTIONS, RuleError, RuleNotApplicable
+from .reference.specs import MambaSpec
 from .scenario import Scenario, load_scenario
 
 __all__ = [
+    "REJECTIONS",
     "RULE_FAMILIES",
     "Difference",
+    "RuleNotApplicable",
     "call_rule",
     "check_scenario",
+    "first_difference",
     "known_failure",
+    "layer_spec_difference",
+    "outcome",
+    "plan_with_trace",
     "skip_if_not_provided",
 ]
 
@@ -34,20 +42,124 @@ def skip_if_not_provided(backend: Any, rule: str) -> None:
         pytest.skip(f"backend {backend.name!r} does not provide rule {rule!r}: {reason}")
 
 
-def call_rule(backend: Any, rule: str, method: str, *args: Any, scenario: Scenario | None = None) -> Any:
-    """Call one rule method; a backend exception fails only this test, naming rule and scenario."""
+def call_rule(backend: Any, method: str, *inputs: Any, scenario: Scenario | None = None) -> Any:
+    """``backend.<method>(*inputs, scenario=scenario)`` under the exception contract
+    (:mod:`pytest_kvconform.errors`): not provided or not applicable skips, anything raised
+    fails this test only, naming the rule, the method, the backend and the scenario."""
+    rule = METHOD_FAMILY.get(method, method)
     skip_if_not_provided(backend, rule)
     fn: Callable[..., Any] | None = getattr(backend, method, None)
     if fn is None:
         pytest.skip(f"backend {backend.name!r} has no method {method!r} (rule {rule!r})")
     try:
-        return fn(*args)
+        return fn(*inputs, scenario=scenario)
     except RuleNotApplicable as exc:
         pytest.skip(f"[{rule}] backend {backend.name!r} cannot answer this input: {exc}")
     except Exception as exc:
         where = f" on scenario {scenario.name!r} ({scenario.source})" if scenario is not None else ""
         message = f"[{rule}] backend {backend.name!r}.{method} raised{where}: {type(exc).__name__}: {exc}"
     pytest.fail(message, pytrace=False)  # outside the except: no chained traceback
+
+
+def outcome(backend: Any, method: str, *inputs: Any, scenario: Scenario | None = None) -> tuple[str, Any]:
+    """``("ok", answer)`` or ``("rejects", exception type)``: a rejection (:data:`REJECTIONS`)
+    is an answer to compare with the reference's; not applicable skips."""
+    skip_if_not_provided(backend, METHOD_FAMILY.get(method, method))
+    try:
+        return ("ok", getattr(backend, method)(*inputs, scenario=scenario))
+    except RuleNotApplicable as exc:
+        pytest.skip(f"[{METHOD_FAMILY.get(method, method)}] backend {backend.name!r} cannot answer: {exc}")
+    except REJECTIONS as exc:
+        return ("rejects", type(exc).__name__)
+
+
+def plan_with_trace(
+    backend: Any, scenario: Scenario, record_property: Callable[[str, Any], None] | None = None
+) -> Any:
+    """The backend's plan under the exception contract. A backend that composes (does not
+    override ``plan``) is composed here with a :class:`~pytest_kvconform.reference.plan.PlanTrace`;
+    the steps the reference answered for it are recorded as the ``kvconform_reference_steps``
+    user property (the summary counts them)."""
+    from .reference.plan import PlanTrace, compose_plan, overrides
+
+    if overrides(backend, "plan"):
+        return call_rule(backend, "plan", scenario=scenario)
+    skip_if_not_provided(backend, "plan")
+    trace = PlanTrace()
+    try:
+        plan = compose_plan(backend, scenario, trace)
+    except RuleNotApplicable as exc:
+        pytest.skip(f"[plan] backend {backend.name!r} cannot answer this input: {exc}")
+    except RuleError as exc:
+        message = str(exc)
+    except REJECTIONS as exc:
+        message = f"[plan] backend {backend.name!r} rejects {scenario.name!r}: {type(exc).__name__}: {exc}"
+    else:
+        if record_property is not None:
+            record_property("kvconform_reference_steps", [str(s) for s in trace.by("reference")])
+        return plan
+    pytest.fail(message, pytrace=False)
+
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+
+
+def layer_key(name: str, spec: Any) -> tuple[int | str, str]:
+    """``(layer index, role)`` of a layer name, so ``model.layers.3.self_attn.attn`` (vLLM's
+    module prefix) and ``model.layers.3.self_attn`` (the reference's) are the same layer; the
+    role is ``attention``, ``indexer`` or ``state``. A name without ``layers.N`` is its own key."""
+    match = _LAYER_INDEX.search(name)
+    index: int | str = int(match.group(1)) if match else name
+    if isinstance(spec, MambaSpec):
+        return index, "state"
+    return index, "indexer" if getattr(spec, "cache_role", "kv") == "indexer" else "attention"
+
+
+def spec_fields(spec: Any) -> dict[str, Any]:
+    """What a layer's spec is compared on, causes before effects: its kind and block, its
+    geometry and dtypes, then the page bytes they make."""
+    pages = {"page_size_bytes": spec.page_size_bytes, "real_page_size_bytes": spec.real_page_size_bytes}
+    if isinstance(spec, MambaSpec):
+        return {"kind": spec.kind, "block_size": spec.block_size, "shapes": tuple(map(tuple, spec.shapes)),
+                "dtypes": tuple(spec.dtypes), "num_speculative_blocks": spec.num_speculative_blocks,
+                **pages}  # fmt: skip
+    v = (0 if spec.is_mla else spec.head_size) if spec.head_size_v is None else spec.head_size_v
+    geometry = {"num_kv_heads": spec.num_kv_heads, "head_size": spec.head_size, "head_size_v": v,
+                "dtype": spec.dtype, "sliding_window": spec.sliding_window,
+                "attention_chunk_size": spec.attention_chunk_size}  # fmt: skip
+    return {"kind": spec.kind, "block_size": spec.block_size, **geometry,
+            "bytes_per_token": spec.bytes_per_token, **pages}  # fmt: skip
+
+
+def first_difference(expected: Mapping[str, Any], got: Mapping[str, Any]) -> tuple[str, Any, Any] | None:
+    """The first key (in ``expected``'s order, then ``got``'s extra keys) whose values differ."""
+    for key in [*expected, *(k for k in got if k not in expected)]:
+        if expected.get(key, _MISSING) != got.get(key, _MISSING):
+            return key, expected.get(key, _MISSING), got.get(key, _MISSING)
+    return None
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "<missing>"
+
+
+_MISSING = _Missing()
+
+
+def layer_spec_difference(expected: Mapping[str, Any], got: Mapping[str, Any]) -> str | None:
+    """Compare two ``layer name -> spec`` maps layer by layer (:func:`layer_key`); the first
+    difference as one line, or None."""
+    want = {layer_key(n, s): spec_fields(s) for n, s in expected.items()}
+    have = {layer_key(n, s): spec_fields(s) for n, s in got.items()}
+    missing, extra = [k for k in want if k not in have], [k for k in have if k not in want]
+    if missing or extra:
+        return f"layers differ: missing {missing[:5]}, unexpected {extra[:5]} (layer index, role)"
+    for key, fields in want.items():
+        diff = first_difference(fields, have[key])
+        if diff is not None:
+            return f"layer {key[0]} ({key[1]}): {diff[0]}: reference {diff[1]!r}, backend {diff[2]!r}"
+    return None
 
 
 def known_failure(backend: Any, item: pytest.Item, extra: Mapping[str, str] | None = None) -> str | None:

@@ -31,6 +31,27 @@ class HybridAlignment:
 
 
 @dataclass(frozen=True)
+class BlockChoice:
+    """The cache config after ``Platform.update_block_size_for_backend`` (vllm/platforms/
+    interface.py): the attention block, the Mamba block and the padded state page."""
+
+    block_size: int
+    mamba_block_size: int  # the attention block in align mode, else max_model_len
+    state_page_padded: int | None = None  # None: the state page is not padded
+
+
+@dataclass(frozen=True)
+class PoolAllocation:
+    """What a backend that really allocates a KV cache pool holds for a planned config."""
+
+    num_blocks: int
+    bytes_per_block: int
+    bytes_held: int
+    #: the backend's own pool object, for its ``check_kv_cache_config`` (not compared)
+    handle: Any = dataclasses.field(default=None, compare=False, repr=False)
+
+
+@dataclass(frozen=True)
 class KVCacheGroup:
     """One KV cache group (``KVCacheGroupSpec``): a spec kind, its block and its layers."""
 

@@ -21,8 +21,8 @@ ENV_BACKEND = "KVCONFORM_BACKEND"
 MARKERS = {
     "kvconform_rule": "kvconform_rule(name): the rule family a conformance test checks",
     "kvconform_scenario": "kvconform_scenario(*names): restrict kv_scenario to these scenarios",
-    "requires_capability": "requires_capability(name): skip unless the backend has this capability",
-    "metal": "metal: needs the MLX paged-attention runtime (skips when mlx is not installed)",
+    "kvconform_requires": "kvconform_requires(capability): skip unless the backend has this capability",
+    "kvconform_metal": "kvconform_metal: needs the MLX paged-attention runtime (skips without mlx)",
 }
 
 
@@ -38,13 +38,19 @@ class KVConformSession:
         self._backend: Any = None
         self._scenarios: list[Scenario] | None = None
         self.matrix: dict[str, Counter[str]] = defaultdict(Counter)
+        #: "family.method: reference (why)" -> plans in which the reference answered that step
+        self.reference_steps: Counter[str] = Counter()
         self.xfails_path = config.getoption("kvconform_xfails")
         self.xfails: dict[str, str] = {}
         self.extra_scenario_paths = [Path(p) for p in config.getoption("kvconform_scenarios") or []]
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         """Count outcomes per rule family (under xdist, from the workers' replayed reports)."""
-        rule = dict(report.user_properties).get("kvconform_rule")
+        properties = dict(report.user_properties)
+        if report.when == "call":
+            for step in properties.get("kvconform_reference_steps", ()):
+                self.reference_steps[str(step)] += 1
+        rule = properties.get("kvconform_rule")
         if rule is None:
             return
         if report.when == "call" or (report.when == "setup" and not report.passed):
@@ -276,17 +282,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             raise pytest.UsageError(
                 f"{item.nodeid}: kvconform_rule expects one of {', '.join(RULE_FAMILIES)}; got {rule.args}"
             )
-        cap = item.get_closest_marker("requires_capability")
+        cap = item.get_closest_marker("kvconform_requires")
         if cap is not None:
             if len(cap.args) != 1 or not isinstance(cap.args[0], str):
-                raise pytest.UsageError(f"{item.nodeid}: requires_capability expects one capability name")
+                raise pytest.UsageError(f"{item.nodeid}: kvconform_requires expects one capability name")
             if cap.args[0] not in session.backend.capabilities:
                 item.add_marker(
                     pytest.mark.skip(
                         reason=f"backend {session.backend_name!r} lacks capability {cap.args[0]!r}"
                     )
                 )
-        if item.get_closest_marker("metal") is not None:
+        if item.get_closest_marker("kvconform_metal") is not None:
             try:
                 import mlx.core  # noqa: F401
             except ImportError:
@@ -319,6 +325,10 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     terminalreporter.section(f"kvconform: backend {session.backend.name} vs reference")
     for line in format_matrix(session.matrix):
         terminalreporter.write_line(line)
+    if session.reference_steps:
+        terminalreporter.write_line("plan steps the reference answered because the backend declined them:")
+        for step, count in sorted(session.reference_steps.items()):
+            terminalreporter.write_line(f"  {count:>4} plans  {step}")
     path = config.getoption("kvconform_report")
     if path:
         write_report(Path(path), session.backend, session.matrix)

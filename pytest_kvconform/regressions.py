@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from .conformance import call_rule
+from .reference.plan import reference_rules
 from .scenario import Scenario, load_scenario
 
 REGRESSION_SCENARIOS = Path(__file__).parent / "scenarios" / "regressions"
@@ -30,7 +31,15 @@ def regression(stem: str, **runtime: Any) -> Callable[[], Scenario]:
 
 
 def backend_plan(backend: Any, scenario: Scenario) -> Any:
-    return call_rule(backend, "plan", "plan", scenario, scenario=scenario)
+    return call_rule(backend, "plan", scenario=scenario)
+
+
+def one_sequence_bytes(backend: Any, scenario: Scenario) -> int:
+    """The backend's one-sequence estimate at the reference's block choice for ``scenario``."""
+    choice = reference_rules().choose_block_size(scenario=scenario)
+    return call_rule(
+        backend, "one_sequence_bytes", choice.block_size, choice.state_page_padded, scenario=scenario
+    )
 
 
 def assert_plan_matches_golden(backend: Any, reference: Any, golden: Any, scenario: Scenario) -> None:

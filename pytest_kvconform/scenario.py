@@ -18,6 +18,7 @@ and what was expected.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -120,11 +121,11 @@ class ModelGeometry:
     confidence: str = ""
     notes: str = ""
 
-    @property
+    @functools.cached_property
     def num_attention_layers(self) -> int:
         return sum(c in "ASLXP" for c in self.layers)
 
-    @property
+    @functools.cached_property
     def num_state_layers(self) -> int:
         return sum(c in "MP" for c in self.layers)
 

@@ -1,11 +1,13 @@
-"""End-to-end checks with real allocations in the MLX runtime.
+"""End-to-end checks with real allocations in the MLX runtime, and the ``allocation`` rule family.
 
-Whatever backend is selected, its numbers are turned into a pool the runtime really
-allocates: a pool sized by the backend's one-sequence bytes must hold ``max_model_len``
-tokens (written through a slot mapping and attended over, against the dense oracle), and a
-pool of the backend's ``num_blocks`` must hold exactly ``num_blocks * bytes_per_block`` bytes
-and accept no slot beyond it. Big models are scaled down to one attention layer with one KV
+Whatever backend is selected, its one-sequence bytes are turned into a pool the runtime really
+allocates: it must hold ``max_model_len`` tokens (written through a slot mapping and attended
+over, against the dense oracle). Big models are scaled down to one attention layer with one KV
 head, which keeps the sizing shape (block size, per-token bytes per head, token count).
+
+The ``allocation`` family runs on backends that really allocate (capability ``allocation``):
+given the reference's plan, the pool the backend allocates must hold exactly ``num_blocks *
+bytes_per_block`` bytes, and an engine KV cache config larger than the pool must be rejected.
 """
 
 from __future__ import annotations
@@ -15,11 +17,10 @@ from typing import Any
 
 import pytest
 
-from pytest_kvconform.conformance import call_rule
-from pytest_kvconform.reference.hybrid import block_and_padding, hybrid_alignment
+from pytest_kvconform.conformance import call_rule, first_difference
+from pytest_kvconform.reference.hybrid import block_choice, hybrid_alignment
+from pytest_kvconform.regressions import one_sequence_bytes
 from pytest_kvconform.scenario import Scenario
-
-pytestmark = [pytest.mark.metal, pytest.mark.kvconform_rule("one_sequence")]
 
 
 def _blocks_in_one_sequence(scenario: Scenario, one_sequence_bytes: int) -> tuple[int, int]:
@@ -30,7 +31,8 @@ def _blocks_in_one_sequence(scenario: Scenario, one_sequence_bytes: int) -> tupl
     """
     from pytest_kvconform.metal_runtime import KVPool, layers_from_scenario
 
-    block, padded = block_and_padding(scenario, hybrid_alignment(scenario))
+    choice = block_choice(scenario, hybrid_alignment(scenario))
+    block, padded = choice.block_size, choice.state_page_padded
     layers = layers_from_scenario(scenario)
     paged = [layer for layer in layers if layer.is_paged]
     per_block = KVPool(paged, 1, block, 0).bytes_per_block()
@@ -42,6 +44,8 @@ def _blocks_in_one_sequence(scenario: Scenario, one_sequence_bytes: int) -> tupl
     return max(0, one_sequence_bytes - state) // per_block, block
 
 
+@pytest.mark.kvconform_metal
+@pytest.mark.kvconform_rule("one_sequence")
 def test_one_sequence_pool_holds_max_model_len(kv_backend: Any, kv_scenario: Scenario) -> None:
     import mlx.core as mx
     import numpy as np
@@ -56,9 +60,7 @@ def test_one_sequence_pool_holds_max_model_len(kv_backend: Any, kv_scenario: Sce
     model = kv_scenario.model
     if model is None or model.attention is None:
         pytest.skip("needs a model-level scenario with attention layers")
-    one_sequence = call_rule(
-        kv_backend, "one_sequence", "one_sequence_bytes", kv_scenario, scenario=kv_scenario
-    )
+    one_sequence = one_sequence_bytes(kv_backend, kv_scenario)
     num_blocks, block = _blocks_in_one_sequence(kv_scenario, one_sequence)
     length = kv_scenario.runtime.max_model_len
     assert num_blocks * block >= length, (
@@ -90,30 +92,31 @@ def test_one_sequence_pool_holds_max_model_len(kv_backend: Any, kv_scenario: Sce
     np.testing.assert_allclose(np.array(out.astype(mx.float32)), expected, atol=atol, rtol=rtol)
 
 
-def test_pool_of_num_blocks_holds_exactly_its_blocks(kv_backend: Any, kv_scenario: Scenario) -> None:
-    import mlx.core as mx
+@pytest.mark.kvconform_rule("allocation")
+@pytest.mark.kvconform_requires("allocation")
+def test_pool_holds_exactly_the_planned_blocks(
+    kv_backend: Any, kv_reference: Any, kv_scenario: Scenario
+) -> None:
+    """The backend allocates the reference's plan at a few blocks (the full pool is gigabytes):
+    what it holds is ``num_blocks * bytes_per_block``, and its bytes per block are the plan's."""
+    plan = kv_reference.plan(scenario=kv_scenario)
+    num_blocks = 3
+    expected = kv_reference.allocate_kv_cache(plan, num_blocks, scenario=kv_scenario)
+    got = call_rule(kv_backend, "allocate_kv_cache", plan, num_blocks, scenario=kv_scenario)
+    diff = first_difference(vars(expected), vars(got))
+    assert diff is None or diff[0] == "handle", f"{diff[0]}: reference {diff[1]!r}, backend {diff[2]!r}"
 
-    from pytest_kvconform.metal_runtime import KVPool, layers_from_scenario, reshape_and_cache
 
-    model = kv_scenario.model
-    if model is None:
-        pytest.skip("needs a model-level scenario")
-    kv_dtype = kv_scenario.runtime.kv_cache_dtype
-    if kv_dtype not in ("auto", model.dtype):
-        pytest.skip(f"the runtime allocates plain K/V in the model dtype, not {kv_dtype}")
-    plan = call_rule(kv_backend, "plan", "plan", kv_scenario, scenario=kv_scenario)
-    # The full pool is gigabytes; keep the per-block layout and give it a budget of a few blocks.
-    budget = 3 * plan.bytes_per_block + plan.bytes_per_block // 2
-    num_blocks = KVPool.num_blocks_for_budget(budget, plan.bytes_per_block)
-    paged = [layer for layer in layers_from_scenario(kv_scenario) if layer.is_paged]
-    pool = KVPool(paged, num_blocks, plan.block_size, 0)
-    assert pool.bytes_per_block() == plan.bytes_per_block
-    assert pool.bytes_held() == num_blocks * plan.bytes_per_block
-    if paged[0].kind != "attention":
-        return
-    k, v = pool.caches[0]["k"], pool.caches[0]["v"]
-    token = mx.ones((1, *k.shape[2:]), dtype=k.dtype)
-    last = num_blocks * plan.block_size - 1
-    reshape_and_cache(token, token, k, v, mx.array([last], dtype=mx.int64))  # the last slot is fine
-    with pytest.raises(ValueError, match="slot"):
-        reshape_and_cache(token, token, k, v, mx.array([last + 1], dtype=mx.int64))
+@pytest.mark.kvconform_rule("allocation")
+@pytest.mark.kvconform_requires("allocation")
+def test_config_larger_than_the_pool_is_rejected(
+    kv_backend: Any, kv_reference: Any, kv_scenario: Scenario
+) -> None:
+    """vllm-metal#527: an engine KV cache config may use the pool's blocks or fewer, never more
+    (``--num-gpu-blocks-override 999999`` against 1846 allocated oversubscribed 541x)."""
+    plan = kv_reference.plan(scenario=kv_scenario)
+    allocation = call_rule(kv_backend, "allocate_kv_cache", plan, 3, scenario=kv_scenario)
+    for requested in (2, 3):
+        call_rule(kv_backend, "check_kv_cache_config", allocation, requested, scenario=kv_scenario)
+    with pytest.raises(ValueError, match="requests 4 blocks but the Metal paged pool was allocated with 3"):
+        kv_backend.check_kv_cache_config(allocation, 4, scenario=kv_scenario)

@@ -12,7 +12,14 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, assume, given, note, reject, settings
 
-from pytest_kvconform.conformance import RuleNotApplicable, skip_if_not_provided
+from pytest_kvconform.backends.base import METHOD_FAMILY
+from pytest_kvconform.conformance import (
+    REJECTIONS,
+    RuleNotApplicable,
+    first_difference,
+    layer_spec_difference,
+    skip_if_not_provided,
+)
 from pytest_kvconform.scenario import Scenario, scenario_from_dict
 from pytest_kvconform.strategies import scenario_dicts, scenario_toml
 
@@ -28,25 +35,25 @@ def _scenario(data: dict[str, Any], backend: Any) -> Scenario:
 
 
 def _both(
-    kv_backend: Any, kv_reference: Any, rule: str, method: str, scenario: Scenario, *args: Any
+    kv_backend: Any, kv_reference: Any, method: str, *inputs: Any, scenario: Scenario
 ) -> tuple[Any, Any]:
     """(reference answer, backend answer); (None, None) when both reject the input alike.
 
     An input the backend has no code path for (``RuleNotApplicable``) is discarded.
     """
-    skip_if_not_provided(kv_backend, rule)
+    skip_if_not_provided(kv_backend, METHOD_FAMILY[method])
     try:
-        expected = getattr(kv_reference, method)(*args)
-    except (ValueError, NotImplementedError, AssertionError) as exc:
+        expected = getattr(kv_reference, method)(*inputs, scenario=scenario)
+    except REJECTIONS as exc:
         # The reference rejects this input (as vLLM would); the backend must reject it too.
         try:
             with pytest.raises(type(exc)):
-                getattr(kv_backend, method)(*args)
+                getattr(kv_backend, method)(*inputs, scenario=scenario)
         except RuleNotApplicable:
             reject()
         return None, None
     try:
-        return expected, getattr(kv_backend, method)(*args)
+        return expected, getattr(kv_backend, method)(*inputs, scenario=scenario)
     except RuleNotApplicable:
         reject()
 
@@ -56,31 +63,39 @@ def _both(
 @given(data=scenario_dicts(hybrid=True))
 def test_hybrid_alignment_generated(kv_backend: Any, kv_reference: Any, data: dict[str, Any]) -> None:
     s = _scenario(data, kv_backend)
-    expected, got = _both(kv_backend, kv_reference, "hybrid_alignment", "align_hybrid_block_size", s, s)
+    expected, got = _both(kv_backend, kv_reference, "align_hybrid_block_size", scenario=s)
     if expected is not None:
         assert (got.block_size, got.page_size_bytes, got.state_page_padded_bytes) == (
             expected.block_size, expected.page_size_bytes, expected.state_page_padded_bytes,
         )  # fmt: skip
 
 
-def _on_layer_specs(
-    kv_backend: Any, kv_reference: Any, data: dict[str, Any], rule: str, method: str
-) -> tuple:
-    """A spec-level rule (``method(specs, runtime, policy)``) on the reference's layer specs."""
+def _on_layer_specs(kv_backend: Any, kv_reference: Any, data: dict[str, Any], method: str) -> tuple:
+    """A spec-level rule (``method(specs, scenario=...)``) on the reference's layer specs."""
     s = _scenario(data, kv_backend)
     try:
-        specs = kv_reference.layer_specs(s)
-    except (ValueError, NotImplementedError):
-        reject()  # rejected before grouping (e.g. a TP split); the alignment property covers it
-    rt = s.runtime
-    return _both(kv_backend, kv_reference, rule, method, s, specs, rt, rt.unify_policy)
+        specs = kv_reference.layer_specs(scenario=s)
+    except REJECTIONS:
+        reject()  # rejected before grouping (e.g. a TP split); the layer-specs property covers it
+    return _both(kv_backend, kv_reference, method, specs, scenario=s)
+
+
+@pytest.mark.kvconform_rule("layer_specs")
+@_settings
+@given(data=scenario_dicts())
+def test_layer_specs_generated(kv_backend: Any, kv_reference: Any, data: dict[str, Any]) -> None:
+    s = _scenario(data, kv_backend)
+    expected, got = _both(kv_backend, kv_reference, "layer_specs", scenario=s)
+    if expected is not None:
+        difference = layer_spec_difference(expected, got)
+        assert difference is None, difference
 
 
 @pytest.mark.kvconform_rule("grouping")
 @_settings
 @given(data=scenario_dicts())
 def test_grouping_generated(kv_backend: Any, kv_reference: Any, data: dict[str, Any]) -> None:
-    expected, got = _on_layer_specs(kv_backend, kv_reference, data, "grouping", "kv_cache_groups")
+    expected, got = _on_layer_specs(kv_backend, kv_reference, data, "kv_cache_groups")
     assert got == expected
 
 
@@ -88,7 +103,7 @@ def test_grouping_generated(kv_backend: Any, kv_reference: Any, data: dict[str, 
 @_settings
 @given(data=scenario_dicts())
 def test_memory_generated(kv_backend: Any, kv_reference: Any, data: dict[str, Any]) -> None:
-    expected, got = _on_layer_specs(kv_backend, kv_reference, data, "memory", "check_memory")
+    expected, got = _on_layer_specs(kv_backend, kv_reference, data, "check_memory")
     assert got == expected
 
 
@@ -97,7 +112,12 @@ def test_memory_generated(kv_backend: Any, kv_reference: Any, data: dict[str, An
 @given(data=scenario_dicts())
 def test_one_sequence_generated(kv_backend: Any, kv_reference: Any, data: dict[str, Any]) -> None:
     s = _scenario(data, kv_backend)
-    expected, got = _both(kv_backend, kv_reference, "one_sequence", "one_sequence_bytes", s, s)
+    try:
+        choice = kv_reference.choose_block_size(scenario=s)
+    except REJECTIONS:
+        reject()
+    inputs = (choice.block_size, choice.state_page_padded)
+    expected, got = _both(kv_backend, kv_reference, "one_sequence_bytes", *inputs, scenario=s)
     assert got == expected
 
 
@@ -106,6 +126,7 @@ def test_one_sequence_generated(kv_backend: Any, kv_reference: Any, data: dict[s
 @given(data=scenario_dicts())
 def test_plan_generated(kv_backend: Any, kv_reference: Any, data: dict[str, Any]) -> None:
     s = _scenario(data, kv_backend)
-    expected, got = _both(kv_backend, kv_reference, "plan", "plan", s, s)
+    expected, got = _both(kv_backend, kv_reference, "plan", scenario=s)
     if expected is not None:
-        assert got.to_dict() == expected.to_dict()
+        diff = first_difference(expected.to_dict(), got.to_dict())
+        assert diff is None, f"plan.{diff[0]}: reference {diff[1]!r}, backend {diff[2]!r}"

@@ -92,4 +92,4 @@ def test_state_slot_is_billed_fp32_when_pages_are_not_padded(metal: MetalBackend
         'num_hidden_layers = 1\nlayers = "M"\n[model.state]\nkind = "gdn"\nnum_key_heads = 16\n'
         "num_value_heads = 16\nkey_head_dim = 128\nvalue_head_dim = 128\nconv_kernel = 4\n"
     )
-    assert metal.one_sequence_bytes(scenario) == 36_864 + 1_048_576
+    assert metal.one_sequence_bytes(16, None, scenario=scenario) == 36_864 + 1_048_576

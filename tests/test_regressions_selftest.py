@@ -1,7 +1,8 @@
 """Self-tests of the snapshot regressions (suites/regressions): each wrong formula fails its regression.
 
 Every ``WrongX`` backend below subclasses the reference and reintroduces one historical bug in the
-rule method(s) concerned and in ``plan()``; running the regression files with
+rule method(s) concerned, and nowhere else: its ``plan()`` is the reference's composition over its
+own rules, so the bug reaches the plan the way it does in the backend. Running the regression files with
 ``--kvconform-backend=wrongbackends:WrongX`` (in-process, ``-k`` limited) must fail exactly the
 tests listed for it, golden included.
 """
@@ -23,35 +24,19 @@ import dataclasses
 import math
 
 from pytest_kvconform.backends.base import ReferenceBackend
-from pytest_kvconform.reference import memory, metal
-from pytest_kvconform.reference import plan as reference_plan
+from pytest_kvconform.reference import metal
 from pytest_kvconform.reference.dtypes import DTYPE_SIZE
-from pytest_kvconform.reference.grouping import get_kv_cache_groups
-from pytest_kvconform.reference.hybrid import align_hybrid_block_size, hybrid_alignment
-from pytest_kvconform.reference.layers import layer_specs
+from pytest_kvconform.reference.hybrid import align_hybrid_block_size
 from pytest_kvconform.reference.mamba import state_page_bytes, state_shapes
-from pytest_kvconform.reference.specs import AttentionSpec, MambaSpec, cdiv
-
-
-def _replace_model(scenario, **changes):
-    return dataclasses.replace(scenario, model=dataclasses.replace(scenario.model, **changes))
+from pytest_kvconform.reference.specs import AttentionSpec, MambaSpec
 
 
 class Unaligned229(ReferenceBackend):
     """vllm-metal before #229: one sequence = max_model_len tokens, not cdiv(L, bs) * bs."""
     name = "wrong-229"
 
-    def one_sequence_bytes(self, scenario):
-        alignment = hybrid_alignment(scenario)
-        padded = alignment.state_page_padded_bytes if alignment is not None else None
-        return metal.one_sequence_kv_bytes(scenario, 1, padded)
-
-    def plan(self, scenario):
-        p = reference_plan(scenario)
-        if scenario.is_spec_level:
-            return p
-        return dataclasses.replace(p, one_sequence_tokens=scenario.runtime.max_model_len,
-                                   one_sequence_bytes=self.one_sequence_bytes(scenario))
+    def one_sequence_bytes(self, block_size, state_page_padded, scenario):
+        return metal.one_sequence_kv_bytes(scenario, 1, state_page_padded)
 
 
 class NoAlignment230(ReferenceBackend):
@@ -61,45 +46,27 @@ class NoAlignment230(ReferenceBackend):
     def align_hybrid_block_size(self, scenario):
         return None
 
-    def plan(self, scenario):
-        p = reference_plan(scenario)
-        if hybrid_alignment(scenario) is None:
-            return p
-        return dataclasses.replace(p, block_size=scenario.runtime.block_size, state_padding_pct=0.0)
-
 
 class NoKernelTranslation235(ReferenceBackend):
     """vllm-metal before #235: the kernel is dispatched with the vLLM block size."""
     name = "wrong-235"
 
-    def kernel_block_size(self, block_size):
+    def kernel_block_size(self, block_size, scenario=None):
         return block_size
 
-    def build_block_tables(self, rows, block_size):
+    def build_block_tables(self, rows, block_size, scenario=None):
         width = max(len(r) for r in rows)
         return [list(r) + [0] * (width - len(r)) for r in rows], block_size
-
-    def plan(self, scenario):
-        p = reference_plan(scenario)
-        return dataclasses.replace(p, kernel_block_size=p.block_size, kernel_blocks_per_block=1)
 
 
 class Fp8DsMla576(ReferenceBackend):
     """fp8_ds_mla priced by the dtype formula: (512 + 64) x 1 B = 576 B/token (vllm#46985 family)."""
     name = "wrong-fp8-ds-mla"
 
-    def attention_page_bytes(self, spec):
+    def attention_page_bytes(self, spec, scenario):
         if spec.is_mla and spec.state_content_bytes == 656:
             return spec.block_size * spec.head_size
         return spec.page_size_bytes
-
-    def plan(self, scenario):
-        p = reference_plan(scenario)
-        if p.attn_bytes_per_token_per_layer != 656:
-            return p
-        per_block = p.bytes_per_block // (656 + p.indexer_bytes_per_token_per_layer)
-        return dataclasses.replace(p, attn_bytes_per_token_per_layer=576,
-                                   bytes_per_block=per_block * (576 + p.indexer_bytes_per_token_per_layer))
 
 
 class Planner576(ReferenceBackend):
@@ -107,7 +74,7 @@ class Planner576(ReferenceBackend):
     name = "wrong-b2"
 
     def align_hybrid_block_size(self, scenario):
-        a = hybrid_alignment(scenario)
+        a = super().align_hybrid_block_size(scenario)
         if a is None or not scenario.model.use_mla:
             return a
         att, rt = scenario.model.attention, scenario.runtime
@@ -115,126 +82,91 @@ class Planner576(ReferenceBackend):
                                        kernel_block_alignment=rt.kernel_block_alignment,
                                        block_size=rt.block_size, use_mla=True)
 
-    def plan(self, scenario):
-        a = self.align_hybrid_block_size(scenario)
-        if a is None or scenario.model is None or not scenario.model.use_mla:
-            return reference_plan(scenario)
-        p = reference_plan(scenario)
-        return dataclasses.replace(p, block_size=a.block_size, page_size_bytes=a.block_size * 656)
-
 
 class LcmAsPadToMax(ReferenceBackend):
     """Ignores the lcm policy of vllm#40128: always pads to the largest page."""
     name = "wrong-lcm"
 
-    def unify_page_sizes(self, specs, policy):
-        return super().unify_page_sizes(specs, "pad-to-max" if policy == "lcm" else policy)
+    def unify_page_sizes(self, specs, scenario):
+        if scenario.runtime.unify_policy == "lcm":
+            scenario = scenario.with_runtime(unify_policy="pad-to-max")
+        return super().unify_page_sizes(specs, scenario)
 
-    def plan(self, scenario):
-        if scenario.runtime.unify_policy != "lcm":
-            return reference_plan(scenario)
-        return reference_plan(scenario.with_runtime(unify_policy="pad-to-max"))
+
+def _unpacked(scenario):
+    if scenario.runtime.kv_cache_dtype.startswith("turboquant"):
+        runtime = dataclasses.replace(scenario.runtime, kv_cache_dtype="auto")
+        return dataclasses.replace(scenario, runtime=runtime)
+    return scenario
 
 
 class TurboQuantUnpacked472(ReferenceBackend):
     """vllm-metal before #472: hybrid + TurboQuant sized with the unpacked (auto) attention page."""
     name = "wrong-472"
 
-    def plan(self, scenario):
-        if scenario.runtime.kv_cache_dtype.startswith("turboquant"):
-            return reference_plan(scenario.with_runtime(kv_cache_dtype="auto"))
-        return reference_plan(scenario)
+    def align_hybrid_block_size(self, scenario):
+        return super().align_hybrid_block_size(_unpacked(scenario))
+
+    def layer_specs(self, scenario):
+        return super().layer_specs(_unpacked(scenario))
 
 
 class GdnStateAtModelDtype243(ReferenceBackend):
     """vllm-metal before #243: GDN recurrent state billed at the model dtype, not fp32."""
     name = "wrong-243"
 
-    def state_page_bytes(self, spec):
+    def state_page_bytes(self, spec, scenario):
         return sum(math.prod(s) * DTYPE_SIZE[spec.dtypes[0]] for s in spec.shapes)
 
-    def one_sequence_bytes(self, scenario):
-        total = super().one_sequence_bytes(scenario)
+    def one_sequence_bytes(self, block_size, state_page_padded, scenario):
+        total = super().one_sequence_bytes(block_size, state_page_padded, scenario)
         model = scenario.model
-        a = hybrid_alignment(scenario)
-        if model.num_state_layers and (a is None or a.state_page_padded_bytes is None):
+        if model.num_state_layers and state_page_padded is None:
             recurrent = sum(math.prod(s) for s in state_shapes(model.state)[1:])
             total -= model.num_state_layers * recurrent * (4 - DTYPE_SIZE[model.dtype])
         return total
-
-    def plan(self, scenario):
-        p = reference_plan(scenario)
-        if scenario.is_spec_level:
-            return p
-        return dataclasses.replace(p, one_sequence_bytes=self.one_sequence_bytes(scenario))
 
 
 class Mla2x233(ReferenceBackend):
     """vllm-metal before #233/#529: MLA billed with the K+V factor (2x the latent)."""
     name = "wrong-233"
 
-    def attention_page_bytes(self, spec):
+    def attention_page_bytes(self, spec, scenario):
         return 2 * spec.page_size_bytes if spec.is_mla and spec.cache_role == "kv" else spec.page_size_bytes
 
-    def one_sequence_bytes(self, scenario):
+    def one_sequence_bytes(self, block_size, state_page_padded, scenario):
         factor = 2 if scenario.model.use_mla else 1
-        return factor * super().one_sequence_bytes(scenario)
-
-    def plan(self, scenario):
-        p = reference_plan(scenario)
-        if scenario.model is None or not scenario.model.use_mla:
-            return p
-        return dataclasses.replace(p, attn_bytes_per_token_per_layer=2 * p.attn_bytes_per_token_per_layer,
-                                   bytes_per_block=2 * p.bytes_per_block, num_blocks=p.num_blocks // 2,
-                                   one_sequence_bytes=self.one_sequence_bytes(scenario))
+        return factor * super().one_sequence_bytes(block_size, state_page_padded, scenario)
 
 
 class NullBlock513(ReferenceBackend):
     """vllm-metal before #513: the estimate uses the whole pool (null block not reserved)."""
     name = "wrong-513"
 
-    def check_memory(self, specs, runtime, policy):
-        groups = get_kv_cache_groups(specs, policy)
-        m = memory.check_memory(groups, runtime)
-        estimate = memory.estimate_max_model_len(groups, runtime, memory.available_kv_bytes(groups, runtime))
+    def check_memory(self, specs, scenario):
+        m = super().check_memory(specs, scenario)
+        estimate = self.estimate_max_model_len(specs, m.available_bytes + m.bytes_per_block, scenario)
         admission = m.admission
         if admission.startswith("To serve"):
-            admission = memory.not_enough_memory_error(runtime.max_model_len, m.needed_bytes,
-                                                       m.available_bytes, estimate)
+            admission = admission.replace(
+                f"is {m.max_model_len_estimate}.", f"is {estimate}.")
         return dataclasses.replace(m, max_model_len_estimate=estimate, admission=admission)
-
-    def plan(self, scenario):
-        p = reference_plan(scenario)
-        m = self.check_memory(layer_specs(scenario, hybrid_alignment(scenario)), scenario.runtime,
-                              scenario.runtime.unify_policy)
-        return dataclasses.replace(p, max_model_len_estimate=m.max_model_len_estimate, admission=m.admission)
 
 
 class IgnoresOverride527(ReferenceBackend):
     """vllm-metal before #527: num_blocks from memory; --num-gpu-blocks-override not seen."""
     name = "wrong-527"
 
-    def check_memory(self, specs, runtime, policy):
-        return super().check_memory(specs, dataclasses.replace(runtime, num_gpu_blocks_override=None), policy)
-
-    def plan(self, scenario):
-        return reference_plan(scenario.with_runtime(num_gpu_blocks_override=None))
+    def check_memory(self, specs, scenario):
+        return super().check_memory(specs, scenario.with_runtime(num_gpu_blocks_override=None))
 
 
 class RawStateInEstimate575(ReferenceBackend):
     """vllm-metal before #575: the non-paged estimate adds the raw GDN slot, not the padded page."""
     name = "wrong-575"
 
-    def one_sequence_bytes(self, scenario):
-        a = hybrid_alignment(scenario)
-        block = a.block_size if a is not None else scenario.runtime.block_size
-        return metal.one_sequence_kv_bytes(scenario, block, None)
-
-    def plan(self, scenario):
-        p = reference_plan(scenario)
-        if scenario.is_spec_level:
-            return p
-        return dataclasses.replace(p, one_sequence_bytes=self.one_sequence_bytes(scenario))
+    def one_sequence_bytes(self, block_size, state_page_padded, scenario):
+        return metal.one_sequence_kv_bytes(scenario, block_size, None)
 
 
 def _as_full(spec):
@@ -247,18 +179,14 @@ class SlidingAsFull563(ReferenceBackend):
     """vllm-metal before #563: sliding-window layers billed as full attention."""
     name = "wrong-563"
 
-    def max_memory_usage_bytes(self, spec, runtime):
-        return _as_full(spec).max_memory_usage_bytes(runtime)
+    def layer_specs(self, scenario):
+        return {k: _as_full(v) for k, v in super().layer_specs(scenario).items()}
 
-    def kv_cache_groups(self, specs, runtime, policy):
-        return super().kv_cache_groups({k: _as_full(v) for k, v in specs.items()}, runtime, policy)
+    def max_memory_usage_bytes(self, spec, scenario):
+        return super().max_memory_usage_bytes(_as_full(spec), scenario)
 
-    def plan(self, scenario):
-        if scenario.is_spec_level:
-            entries = tuple(dataclasses.replace(e, kind="full_attention", sliding_window=None)
-                            if e.kind == "sliding_window" else e for e in scenario.layer_specs)
-            return reference_plan(dataclasses.replace(scenario, layer_specs=entries))
-        return reference_plan(_replace_model(scenario, layers=scenario.model.layers.replace("S", "A")))
+    def kv_cache_groups(self, specs, scenario):
+        return super().kv_cache_groups({k: _as_full(v) for k, v in specs.items()}, scenario)
 
 
 def _uniform_max(specs):
@@ -274,71 +202,40 @@ class UniformMaxHead251(ReferenceBackend):
     """vllm-metal #251: every layer at max(head_dim, global_head_dim) with uniform KV heads."""
     name = "wrong-251"
 
-    def kv_cache_groups(self, specs, runtime, policy):
-        return super().kv_cache_groups(_uniform_max(specs), runtime, policy)
-
-    def plan(self, scenario):
-        if not scenario.is_spec_level:
-            return reference_plan(scenario)
-        attn = [e for e in scenario.layer_specs if e.kind != "mamba"]
-        heads, head = max(e.num_kv_heads for e in attn), max(e.head_size for e in attn)
-        entries = tuple(e if e.kind == "mamba" else dataclasses.replace(e, num_kv_heads=heads, head_size=head)
-                        for e in scenario.layer_specs)
-        return reference_plan(dataclasses.replace(scenario, layer_specs=entries))
+    def kv_cache_groups(self, specs, scenario):
+        return super().kv_cache_groups(_uniform_max(specs), scenario)
 
 
 class MambaBlockPerToken259(ReferenceBackend):
     """vllm-metal #259: MambaSpec(block_size=1): one state block per token per group."""
     name = "wrong-259"
 
-    def max_memory_usage_bytes(self, spec, runtime):
+    def max_memory_usage_bytes(self, spec, scenario):
         if isinstance(spec, MambaSpec):
-            return cdiv(runtime.max_model_len, 1) * spec.page_size_bytes
-        return super().max_memory_usage_bytes(spec, runtime)
-
-    def kv_cache_groups(self, specs, runtime, policy):
-        groups = super().kv_cache_groups(specs, runtime, policy)
-        return [dataclasses.replace(g, blocks_per_request=runtime.max_model_len) if g.kind == "mamba" else g
-                for g in groups]
-
-    def plan(self, scenario):
-        p = reference_plan(scenario)
-        n = sum(k == "mamba" for k in p.group_kinds)
-        extra = n * (scenario.runtime.max_model_len - 1)
-        return dataclasses.replace(p, blocks_per_request=p.blocks_per_request + extra,
-                                   needed_bytes=p.needed_bytes + extra * p.bytes_per_block)
+            return scenario.runtime.max_model_len * spec.page_size_bytes
+        return super().max_memory_usage_bytes(spec, scenario)
 
 
 class Dtype2Bytes125(ReferenceBackend):
     """vllm-metal before #125: KV dtype size hard-coded as 2 (float16)."""
     name = "wrong-125"
 
-    def kv_cache_dtype_bytes(self, kv_cache_dtype, model_dtype):
+    def kv_cache_dtype_bytes(self, kv_cache_dtype, model_dtype, scenario=None):
         return 2 if kv_cache_dtype == "auto" else super().kv_cache_dtype_bytes(kv_cache_dtype, model_dtype)
 
-    def attention_page_bytes(self, spec):
+    def attention_page_bytes(self, spec, scenario):
         if spec.dtype == "float32" and spec.state_content_bytes is None:
             return spec.page_size_bytes // 2
         return spec.page_size_bytes
-
-    def plan(self, scenario):
-        if scenario.model is None or scenario.model.dtype != "float32":
-            return reference_plan(scenario)
-        return dataclasses.replace(reference_plan(_replace_model(scenario, dtype="float16")),
-                                   scenario=scenario.name)
 
 
 class ScaleMamba43626(ReferenceBackend):
     """vLLM before #45207 (vllm#43626): scale a MambaSpec's block size like an attention layer's."""
     name = "wrong-43626"
 
-    def unify_page_sizes(self, specs, policy):
-        return super().unify_page_sizes(specs, "scale-only")
-
-    def plan(self, scenario):
-        return reference_plan(scenario.with_runtime(unify_policy="scale-only"))
+    def unify_page_sizes(self, specs, scenario):
+        return super().unify_page_sizes(specs, scenario.with_runtime(unify_policy="scale-only"))
 '''
-
 #: WrongX -> (-k expression, tests that must fail: node names, relative to the regression files).
 CASES: dict[str, tuple[str, set[str]]] = {
     "Unaligned229": (

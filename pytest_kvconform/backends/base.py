@@ -11,39 +11,50 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import ClassVar
 
-from ..model import KVPlan
+from ..errors import REJECTIONS, RuleError, RuleNotApplicable
 from ..reference import VLLM_TARGET
-from ..reference import plan as reference_plan
 from ..reference.rules import ReferenceRules
 from ..scenario import Scenario
 
 #: Rule families, in report order. Each names the backend method(s) that answer it.
 RULE_FAMILIES: dict[str, tuple[str, ...]] = {
     "dtype": ("kv_cache_dtype_bytes",),
-    "attention_page": ("attention_page_bytes",),
-    "state_page": ("state_shapes", "state_page_bytes"),
-    "max_memory": ("max_memory_usage_bytes",),
     "hybrid_alignment": ("align_hybrid_block_size",),
+    "block_size": ("choose_block_size",),
+    "state_page": ("state_shapes", "state_page_bytes"),
+    "layer_specs": ("layer_specs",),
+    "attention_page": ("attention_page_bytes",),
+    "max_memory": ("max_memory_usage_bytes",),
     "unification": ("unify_page_sizes",),
     "grouping": ("kv_cache_groups",),
     "memory": ("check_memory", "estimate_max_model_len"),
     "one_sequence": ("one_sequence_bytes",),
     "kernel_block": ("kernel_block_size", "build_block_tables"),
+    "allocation": ("allocate_kv_cache", "check_kv_cache_config"),
     "plan": ("plan",),
 }
+#: method name -> its rule family
+METHOD_FAMILY: dict[str, str] = {m: family for family, methods in RULE_FAMILIES.items() for m in methods}
 
-
-class RuleNotApplicable(Exception):
-    """Raised by a backend that has no code path for this particular input (the message says
-    why): the test skips with that reason instead of failing."""
+__all__ = [
+    "METHOD_FAMILY",
+    "REJECTIONS",
+    "RULE_FAMILIES",
+    "ReferenceBackend",
+    "RuleError",
+    "RuleNotApplicable",
+]
 
 
 class ReferenceBackend(ReferenceRules):
     """The reference rules as a backend (vLLM 0.33.0 core + vllm-metal's own rules).
 
-    Subclass it and override the rule methods your backend computes itself. Its ``plan`` is
-    the reference's plan, whatever a subclass overrides, so a wrong rule fails that rule's
-    tests only; a backend that plans with its own rules returns ``compose_plan(self, scenario)``.
+    Subclass it and override the rule methods your backend computes itself; every method gets
+    the scenario it answers for as ``scenario=``. Its ``plan`` composes this object's own rules
+    (:func:`~pytest_kvconform.reference.plan.compose_plan`), so an override reaches the specs,
+    the groups, the memory check and the plan. The exception contract is
+    :mod:`pytest_kvconform.errors`. Constructor keyword arguments are the backend's options
+    (``--kvconform-backend-option key=value``, passed as strings).
     """
 
     name: ClassVar[str] = "reference"
@@ -69,6 +80,3 @@ class ReferenceBackend(ReferenceRules):
         packaged scenarios are still run, and their departures belong in ``known_failures``.
         """
         return None
-
-    def plan(self, scenario: Scenario) -> KVPlan:
-        return reference_plan(scenario)

@@ -8,7 +8,9 @@ itself comes from :mod:`pytest_kvconform.metal_runtime` and arrays it really all
   ``_build_block_tables``);
 * the bytes of one pool block (``get_cache_block_size_bytes``: the paged layers only) and
   the number of blocks a budget holds (``_paged_attention_plan``: ``budget // per_block``);
-* the one-sequence estimate (``estimate_one_sequence_kv_bytes``).
+* the one-sequence estimate (``estimate_one_sequence_kv_bytes``);
+* the allocation of a planned pool and its guard against a larger engine config
+  (``ModelCachePolicy.initialize_kv_cache``, PR #527).
 
 Like vllm-metal, the runtime stores K/V in the model dtype (float16, bfloat16 or float32)
 and never reads ``--kv-cache-dtype``; scenarios that ask for a packed or 8-bit cache are
@@ -21,11 +23,11 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
-from ..model import KVPlan, MemoryCheck
-from ..reference import hybrid
-from ..reference.plan import compose_plan
+from ..errors import RuleNotApplicable
+from ..model import KVPlan, MemoryCheck, PoolAllocation
+from ..reference import plan as reference_plan
 from ..reference.specs import AttentionSpec, KVCacheSpec, MambaSpec
-from ..scenario import RuntimeSettings, Scenario
+from ..scenario import Scenario
 from .base import ReferenceBackend
 
 _FP8_DS_MLA = (
@@ -47,12 +49,14 @@ class MetalBackend(ReferenceBackend):
     capabilities: ClassVar[frozenset[str]] = frozenset({"allocation", "paged_attention"})
     known_failures: ClassVar[Mapping[str, str]] = {
         "plan::test_plan[glm-5-fp8-ds-mla]": _FP8_DS_MLA,
+        "allocation::test_pool_holds_exactly_the_planned_blocks[glm-5-fp8-ds-mla]": _FP8_DS_MLA,
         "memory::test_check_memory[glm-5-fp8-ds-mla]": _FP8_DS_MLA,
         "plan::test_plan_golden[glm5-fp8-ds-mla]": _FP8_DS_MLA,
         "attention_page::test_glm5_fp8_ds_mla_pages": _FP8_DS_MLA,
         "plan::test_plan_golden[vllm-b2-mla-mamba-fp8-ds-mla]": _FP8_DS_MLA,
         "plan::test_plan_golden[vllm-b2-kimi-linear-mla-kda-fp8-ds-mla]": _FP8_DS_MLA,
         "plan::test_plan[qwen3.6-35b-a3b-turboquant-k8v4]": _TURBOQUANT,
+        "allocation::test_pool_holds_exactly_the_planned_blocks[qwen3.6-*-turboquant-k8v4]": _TURBOQUANT,
         "memory::test_check_memory[qwen3.6-35b-a3b-turboquant-k8v4]": _TURBOQUANT,
         "plan::test_plan_golden[vllm-39931-qwen36-turboquant-k8v4]": _TURBOQUANT,
         "plan::test_vllm39931_qwen36_turboquant_k8v4_real_run": _TURBOQUANT,
@@ -69,7 +73,7 @@ class MetalBackend(ReferenceBackend):
         if kv_dtype not in ("auto", model.dtype if model is not None else None):
             return f"the runtime stores K/V in the model dtype; kv_cache_dtype {kv_dtype!r} is not modelled"
         if model is not None and model.is_hybrid:
-            group_size = super().plan(scenario).group_size
+            group_size = reference_plan(scenario).group_size
             if group_size != model.num_attention_layers:
                 return (
                     f"vllm-metal's pool block holds the {model.num_attention_layers} attention layers while "
@@ -83,13 +87,13 @@ class MetalBackend(ReferenceBackend):
         return f"MLX {self._mx.__version__} runtime on {device}"
 
     # -- kernel_block: the runtime's own translation
-    def kernel_block_size(self, block_size: int) -> int:
+    def kernel_block_size(self, block_size: int, scenario: Scenario | None = None) -> int:
         from ..metal_runtime import pick_kernel_block_size
 
         return pick_kernel_block_size(block_size)
 
     def build_block_tables(
-        self, rows: Sequence[Sequence[int]], block_size: int
+        self, rows: Sequence[Sequence[int]], block_size: int, scenario: Scenario | None = None
     ) -> tuple[list[list[int]], int]:
         from ..metal_runtime import build_block_tables
 
@@ -97,25 +101,23 @@ class MetalBackend(ReferenceBackend):
         return table.tolist(), kernel_block
 
     # -- one_sequence: measured on a really allocated pool
-    def one_sequence_bytes(self, scenario: Scenario) -> int:
+    def one_sequence_bytes(self, block_size: int, state_page_padded: int | None, scenario: Scenario) -> int:
         from ..metal_runtime import KVPool
 
-        block, padded = hybrid.block_and_padding(scenario, hybrid.hybrid_alignment(scenario))
         layers = _scenario_layers(scenario)
-        if padded is None:
-            return KVPool.one_sequence_bytes(scenario.runtime.max_model_len, block, layers)
+        if state_page_padded is None:
+            return KVPool.one_sequence_bytes(scenario.runtime.max_model_len, block_size, layers)
         # vllm-metal PR #575: each state layer is billed at the padded page the upstream alignment set.
         paged = [layer for layer in layers if layer.is_paged]
         num_state = len(layers) - len(paged)
-        return KVPool.one_sequence_bytes(scenario.runtime.max_model_len, block, paged) + num_state * padded
+        max_model_len = scenario.runtime.max_model_len
+        return KVPool.one_sequence_bytes(max_model_len, block_size, paged) + num_state * state_page_padded
 
     # -- memory: per-block bytes and block count from the pool; the admission check stays vLLM's
-    def check_memory(
-        self, specs: dict[str, KVCacheSpec], runtime: RuntimeSettings, policy: str
-    ) -> MemoryCheck:
+    def check_memory(self, specs: dict[str, KVCacheSpec], scenario: Scenario) -> MemoryCheck:
         from ..metal_runtime import KVPool
 
-        upstream = super().check_memory(specs, runtime, policy)
+        upstream = super().check_memory(specs, scenario=scenario)
         kinds = {s.kind for s in specs.values() if isinstance(s, AttentionSpec)}
         if kinds & {"sliding_window", "chunked_local", "cross_attention"}:
             # vllm-metal PR #563: mixed layouts report a budget and adopt vLLM's own layout.
@@ -131,9 +133,18 @@ class MetalBackend(ReferenceBackend):
             upstream, bytes_per_block=per_block, num_blocks=KVPool.num_blocks_for_budget(available, per_block)
         )
 
-    # -- plan: the reference's composition over this backend's own rules
-    def plan(self, scenario: Scenario) -> KVPlan:
-        return compose_plan(self, scenario)
+    # -- allocation: a pool really allocated for the planned config
+    def allocate_kv_cache(self, plan: KVPlan, num_blocks: int, scenario: Scenario) -> PoolAllocation:
+        from ..metal_runtime import KVPool
+
+        paged = [layer for layer in _scenario_layers(scenario) if layer.is_paged]
+        if not paged:
+            raise RuleNotApplicable("the model has no paged attention layers: the Metal pool is empty")
+        pool = KVPool(paged, num_blocks, plan.block_size, 0)
+        return PoolAllocation(num_blocks, pool.bytes_per_block(), pool.bytes_held(), handle=pool)
+
+    def check_kv_cache_config(self, allocation: PoolAllocation, num_blocks: int, scenario: Scenario) -> None:
+        allocation.handle.check_kv_cache_config(num_blocks)
 
 
 def _scenario_layers(scenario: Scenario) -> list[Any]:

@@ -164,6 +164,17 @@ class KVPool:
     def capacity_tokens(self) -> int:
         return self.num_blocks * self.block_size
 
+    def check_kv_cache_config(self, num_blocks: int) -> None:
+        """The pool cannot grow: an engine KV cache config of more blocks than it holds is an
+        error (vllm-metal ``ModelCachePolicy.initialize_kv_cache``, PR #527); fewer is fine."""
+        if num_blocks > self.num_blocks:
+            raise ValueError(
+                f"Engine KV cache config requests {num_blocks} blocks but the Metal paged pool was "
+                f"allocated with {self.num_blocks}. vllm-metal sizes its pool from available Metal memory "
+                "and cannot grow it afterwards. If --num-gpu-blocks-override is set, lower or remove it; "
+                "otherwise this is a capacity-accounting bug, please report it."
+            )
+
     # ------------------------------------------------------------------ sizing helpers
 
     @staticmethod

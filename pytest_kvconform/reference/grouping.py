@@ -7,7 +7,7 @@ and ``_get_kv_cache_groups_uniform_page_size``, for layer-outer layouts (the def
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -48,16 +48,19 @@ class GroupSpec:
     def _distinct_specs(self) -> tuple[KVCacheSpec, ...]:
         return tuple(dict.fromkeys(self.specs)) if self.uniform_type else self.specs[:1]
 
-    def blocks_per_request(self, rt: RuntimeSettings) -> int:
+    def blocks_per_request(
+        self, rt: RuntimeSettings, pages: Callable[[KVCacheSpec], int] | None = None
+    ) -> int:
         """``cdiv(max_memory_usage_bytes, page)``; uniform-type groups take the max over layers
-        (``UniformTypeKVCacheSpecs.max_memory_usage_pages``)."""
-        return max(cdiv(s.max_memory_usage_bytes(rt), s.page_size_bytes) for s in self._distinct_specs)
+        (``UniformTypeKVCacheSpecs.max_memory_usage_pages``). ``pages`` replaces that count per spec."""
+        pages = pages or (lambda s: cdiv(s.max_memory_usage_bytes(rt), s.page_size_bytes))
+        return max(pages(s) for s in self._distinct_specs)
 
-    def public(self, rt: RuntimeSettings) -> KVCacheGroup:
+    def public(self, rt: RuntimeSettings, pages: Callable[[KVCacheSpec], int] | None = None) -> KVCacheGroup:
         return KVCacheGroup(
             kind=self.kind, block_size=self.block_size, page_size_bytes=self.page_size_bytes,
             layer_names=self.layer_names, bytes_per_block=self.bytes_per_block,
-            blocks_per_request=self.blocks_per_request(rt),
+            blocks_per_request=self.blocks_per_request(rt, pages),
         )  # fmt: skip
 
 
@@ -75,8 +78,13 @@ def group_size_for(bucket_sizes: Sequence[int]) -> int:
     return hi if hi < 1.5 * lo else lo
 
 
-def get_kv_cache_groups(specs: dict[str, KVCacheSpec], policy: str = "pad-to-max") -> list[GroupSpec]:
-    """Group layers as vLLM's engine core does before planning the pool."""
+def get_kv_cache_groups(
+    specs: dict[str, KVCacheSpec],
+    policy: str = "pad-to-max",
+    unify: Callable[[dict[str, KVCacheSpec]], dict[str, KVCacheSpec]] | None = None,
+) -> list[GroupSpec]:
+    """Group layers as vLLM's engine core does before planning the pool; ``unify`` replaces
+    :func:`~.unify.unify_page_sizes` under ``policy``."""
     if not specs:
         return []
     names, values = tuple(specs), tuple(specs.values())
@@ -85,7 +93,7 @@ def get_kv_cache_groups(specs: dict[str, KVCacheSpec], policy: str = "pad-to-max
         return [GroupSpec(names, values)]
     if len({s.block_size for s in distinct}) == 1 and len({_type_key(s) for s in distinct}) == 1:
         return [GroupSpec(names, values, uniform_type=True)]
-    unified = unify_page_sizes(specs, policy)
+    unified = unify(specs) if unify is not None else unify_page_sizes(specs, policy)
     buckets: dict[KVCacheSpec, list[str]] = {}
     for name, spec in unified.items():
         buckets.setdefault(spec, []).append(name)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from ..model import HybridAlignment
+from ..model import BlockChoice, HybridAlignment
 from ..scenario import Scenario
 from .attention import attention_bytes_per_token, attention_spec
 from .mamba import state_page_bytes
@@ -81,9 +81,11 @@ def hybrid_alignment(scenario: Scenario) -> HybridAlignment | None:
     )
 
 
-def block_and_padding(scenario: Scenario, alignment: HybridAlignment | None) -> tuple[int, int | None]:
-    """The attention block size a scenario runs with and its padded state page (None: unpadded),
-    after ``alignment`` (None for a non-hybrid: the runtime's block size)."""
-    if alignment is None:
-        return scenario.runtime.block_size, None
-    return alignment.block_size, alignment.state_page_padded_bytes
+def block_choice(scenario: Scenario, alignment: HybridAlignment | None) -> BlockChoice:
+    """The cache config's block sizes and padded state page after ``alignment`` (None for a
+    non-hybrid: the runtime's block size, unpadded). ``mamba_block_size`` is the attention block
+    in ``align`` mode, else ``max_model_len`` (``MambaModelConfig.verify_and_update_config``)."""
+    rt = scenario.runtime
+    block, padded = (rt.block_size, None) if alignment is None else (
+        alignment.block_size, alignment.state_page_padded_bytes)  # fmt: skip
+    return BlockChoice(block, block if rt.mamba_cache_mode == "align" else rt.max_model_len, padded)

@@ -8,25 +8,36 @@ attention block in ``align`` mode (``MambaModelConfig.verify_and_update_config``
 
 from __future__ import annotations
 
-from ..model import HybridAlignment
+from ..model import BlockChoice, HybridAlignment
 from ..scenario import Scenario
 from .attention import attention_spec, indexer_spec
-from .hybrid import block_and_padding
-from .mamba import state_spec
+from .hybrid import block_choice
+from .mamba import Shapes, state_spec
 from .specs import AttentionSpec, KVCacheSpec, MambaSpec
 
 _ATTENTION_KIND = {"A": "full_attention", "P": "full_attention", "S": "sliding_window",
                    "L": "chunked_local", "X": "cross_attention"}  # fmt: skip
 
 
-def layer_specs(scenario: Scenario, alignment: HybridAlignment | None = None) -> dict[str, KVCacheSpec]:
-    """Layer name -> spec, in layer order (names as vLLM's ``model.layers.{i}.*`` prefixes)."""
+def layer_specs(
+    scenario: Scenario,
+    alignment: HybridAlignment | None = None,
+    *,
+    choice: BlockChoice | None = None,
+    shapes: Shapes | None = None,
+) -> dict[str, KVCacheSpec]:
+    """Layer name -> spec, in layer order (names as vLLM's ``model.layers.{i}.*`` prefixes).
+
+    Attention layers take ``choice.block_size``, state layers ``choice.mamba_block_size`` and the
+    padded page; ``choice`` defaults to :func:`~.hybrid.block_choice` of ``alignment`` and the
+    state ``shapes`` to :func:`~.mamba.state_shapes`.
+    """
     if scenario.is_spec_level:
         return _spec_level(scenario)
     model, rt = scenario.model, scenario.runtime
     assert model is not None
-    block, padded = block_and_padding(scenario, alignment)
-    mamba_block = block if rt.mamba_cache_mode == "align" else rt.max_model_len
+    choice = choice or block_choice(scenario, alignment)
+    block, padded, mamba_block = choice.block_size, choice.state_page_padded, choice.mamba_block_size
     attn = model.attention
     built: dict[str, KVCacheSpec] = {}  # one spec object per kind: every such layer reports the same
 
@@ -36,7 +47,9 @@ def layer_specs(scenario: Scenario, alignment: HybridAlignment | None = None) ->
                 assert attn is not None
                 built[kind] = indexer_spec(attn, block_size=block)
             elif kind == "mamba":
-                built[kind] = state_spec(scenario, block_size=mamba_block, page_size_padded=padded)
+                built[kind] = state_spec(
+                    scenario, block_size=mamba_block, page_size_padded=padded, shapes=shapes
+                )
             else:
                 assert attn is not None
                 built[kind] = attention_spec(

@@ -55,16 +55,20 @@ def state_shapes(state: StateGeometry, tp: int = 1, num_spec: int = 0) -> Shapes
     raise ValueError(f"unknown state kind {state.kind!r}")
 
 
-def state_spec(scenario: Scenario, *, block_size: int, page_size_padded: int | None = None) -> MambaSpec:
+def state_spec(
+    scenario: Scenario, *, block_size: int, page_size_padded: int | None = None, shapes: Shapes | None = None
+) -> MambaSpec:
     """The ``MambaSpec`` one state layer reports (``MambaBase.get_kv_cache_spec``).
 
     Mamba-2 mixers export one prefill checkpoint block (``MambaMixer2``); speculative
-    tokens add conv rows and ``num_speculative_blocks`` pages.
+    tokens add conv rows and ``num_speculative_blocks`` pages. ``shapes`` defaults to
+    :func:`state_shapes` of the scenario.
     """
     model, rt = scenario.model, scenario.runtime
     assert model is not None and model.state is not None
     state = model.state
-    shapes = state_shapes(state, rt.tensor_parallel_size, rt.num_speculative_tokens)
+    if shapes is None:
+        shapes = state_shapes(state, rt.tensor_parallel_size, rt.num_speculative_tokens)
     conv, ssm = mamba_dtypes(
         state.kind, model.dtype, rt.mamba_cache_dtype, rt.mamba_ssm_cache_dtype, state.ssm_dtype
     )

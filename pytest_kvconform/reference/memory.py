@@ -10,7 +10,8 @@ Mirrors ``get_kv_cache_configs``, ``_check_enough_kv_cache_memory``,
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from ..model import MemoryCheck
 from ..scenario import RuntimeSettings
@@ -46,6 +47,22 @@ def not_enough_memory_error(max_model_len: int, needed: int, available: int, est
     )
 
 
+@dataclass(frozen=True)
+class NeededBytes:
+    """What the admission check reads of the groups: the bytes one block id costs and the bytes
+    one request of a given ``max_model_len`` needs (``_max_memory_usage_bytes_from_groups``)."""
+
+    bytes_per_block: int
+    needed: Callable[[int], int]
+
+
+def need_of_groups(groups: Sequence[GroupSpec], rt: RuntimeSettings) -> NeededBytes:
+    return NeededBytes(
+        bytes_per_block(groups),
+        lambda length: needed_bytes(groups, dataclasses.replace(rt, max_model_len=length)),
+    )
+
+
 def bytes_per_block(groups: Sequence[GroupSpec]) -> int:
     """``max`` over groups of the bytes one block id costs (layer-outer layout)."""
     return max((g.bytes_per_block for g in groups), default=0)
@@ -61,14 +78,17 @@ def needed_bytes(groups: Sequence[GroupSpec], rt: RuntimeSettings) -> int:
     return bytes_per_block(groups) * blocks_per_request(groups, rt)
 
 
-def estimate_max_model_len(groups: Sequence[GroupSpec], rt: RuntimeSettings, available: int) -> int:
+def estimate_max_model_len(
+    groups: Sequence[GroupSpec] | NeededBytes, rt: RuntimeSettings, available: int
+) -> int:
     """Binary search over ``[1, max_model_len]`` for the longest length that fits ``available``.
 
     Returns 0 when not even one token fits (``_estimate_max_model_len_from_groups``).
     """
+    need = groups if isinstance(groups, NeededBytes) else need_of_groups(groups, rt)
 
     def fits(length: int) -> bool:
-        return needed_bytes(groups, dataclasses.replace(rt, max_model_len=length)) <= available
+        return need.needed(length) <= available
 
     lo, hi = 1, rt.max_model_len
     if fits(hi):  # needed bytes grow with the length: the search would end here
@@ -84,27 +104,34 @@ def estimate_max_model_len(groups: Sequence[GroupSpec], rt: RuntimeSettings, ava
     return lo
 
 
-def available_kv_bytes(groups: Sequence[GroupSpec], rt: RuntimeSettings) -> int:
+def available_kv_bytes(groups: Sequence[GroupSpec] | NeededBytes, rt: RuntimeSettings) -> int:
     """Bytes the pool may use: ``kv_cache_memory_bytes``, or ``override * bytes_per_block``."""
     if rt.num_gpu_blocks_override is not None:
-        return rt.num_gpu_blocks_override * bytes_per_block(groups)
+        bpb = groups.bytes_per_block if isinstance(groups, NeededBytes) else bytes_per_block(groups)
+        return rt.num_gpu_blocks_override * bpb
     return rt.kv_cache_memory_bytes
 
 
-def check_memory(groups: Sequence[GroupSpec], rt: RuntimeSettings) -> MemoryCheck:
+def check_memory(
+    groups: Sequence[GroupSpec] | NeededBytes,
+    rt: RuntimeSettings,
+    estimate_for: Callable[[int], int] | None = None,
+) -> MemoryCheck:
     """Plan one worker's pool and run the admission check.
 
     ``num_blocks = available // bytes_per_block`` counts the null block; the check sees
     ``available - bytes_per_block`` (vLLM 0.33 reserves the null block there) and passes
-    when ``needed <= check``.
+    when ``needed <= check``. ``estimate_for(available)`` replaces :func:`estimate_max_model_len`.
     """
-    bpb = bytes_per_block(groups)
+    need = groups if isinstance(groups, NeededBytes) else need_of_groups(groups, rt)
+    bpb = need.bytes_per_block
     if bpb == 0:
         raise ValueError("no KV cache groups: nothing to plan")
-    available = available_kv_bytes(groups, rt)
+    available = available_kv_bytes(need, rt)
     check = available - bpb
-    needed = needed_bytes(groups, rt)
-    estimate = estimate_max_model_len(groups, rt, check) if check > 0 else 0
+    needed = need.needed(rt.max_model_len)
+    estimate_for = estimate_for or (lambda available: estimate_max_model_len(need, rt, available))
+    estimate = estimate_for(check) if check > 0 else 0
     if check <= 0:
         admission = NO_MEMORY_ERROR
     elif needed > check:

@@ -8,6 +8,8 @@
   recurrent state in fp32 (PR #243), padded state pages when set (PR #575).
 * ``turboquant_page_size_bytes`` (v1/cache_policy.py): vllm-metal's own TurboQuant page,
   which differs from vLLM's ``slot_size_aligned`` packing.
+* ``ModelCachePolicy.initialize_kv_cache`` (v1/cache_policy.py): the guard against an engine KV
+  cache config larger than the allocated pool (PR #527).
 """
 
 from __future__ import annotations
@@ -52,6 +54,17 @@ def build_block_tables(rows: Sequence[Sequence[int]], cache_block_size: int) -> 
     kernel = pick_kernel_block_size(cache_block_size)
     ratio = cache_block_size // kernel
     return [[b * ratio + j for b in row for j in range(ratio)] for row in padded], kernel
+
+
+def oversized_config_error(requested: int, allocated: int) -> str:
+    """The over-allocation guard of ``ModelCachePolicy.initialize_kv_cache`` (v1/cache_policy.py,
+    PR #527): an engine KV cache config may not ask for more blocks than the Metal pool holds."""
+    return (
+        f"Engine KV cache config requests {requested} blocks but the Metal paged pool was allocated "
+        f"with {allocated}. vllm-metal sizes its pool from available Metal memory and cannot grow it "
+        "afterwards. If --num-gpu-blocks-override is set, lower or remove it; otherwise this is a "
+        "capacity-accounting bug, please report it."
+    )
 
 
 def one_sequence_tokens(max_model_len: int, block_size: int) -> int:

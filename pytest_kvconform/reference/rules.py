@@ -3,22 +3,37 @@
 :class:`ReferenceRules` is the method-per-rule face of the reference modules; it is what
 :func:`~pytest_kvconform.reference.plan.compose_plan` composes, and what
 :class:`~pytest_kvconform.backends.base.ReferenceBackend` (and through it every backend)
-inherits. Standard library only.
+inherits. Every rule that builds on another calls it through ``self``: a subclass overriding
+one rule (``choose_block_size``, ``state_shapes``, ``unify_page_sizes``,
+``max_memory_usage_bytes``, ``kv_cache_groups`` ...) sees its answer reach the specs, the groups,
+the memory check and the plan.
+
+Every rule method takes the scenario it answers for as the keyword argument ``scenario``
+(``None`` only for the scenario-free tables: dtype bytes, kernel blocks of a block size).
+Standard library only.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import ClassVar
 
-from ..model import HybridAlignment, KVCacheGroup, MemoryCheck
-from ..scenario import RuntimeSettings, Scenario
+from ..model import BlockChoice, HybridAlignment, KVCacheGroup, KVPlan, MemoryCheck, PoolAllocation
+from ..scenario import Scenario
 from . import dtypes, hybrid, memory, metal
 from .grouping import get_kv_cache_groups
 from .layers import layer_specs
 from .mamba import Shapes, state_shapes
-from .specs import AttentionSpec, KVCacheSpec, MambaSpec
+from .specs import AttentionSpec, KVCacheSpec, MambaSpec, cdiv
 from .unify import unify_page_sizes
+
+
+def at_length(scenario: Scenario, max_model_len: int) -> Scenario:
+    """``scenario`` served at another ``max_model_len`` (the estimate's binary search)."""
+    return dataclasses.replace(
+        scenario, runtime=dataclasses.replace(scenario.runtime, max_model_len=max_model_len)
+    )
 
 
 class ReferenceRules:
@@ -31,64 +46,116 @@ class ReferenceRules:
         return self.unify_policy or scenario.runtime.unify_policy
 
     # -- dtype
-    def kv_cache_dtype_bytes(self, kv_cache_dtype: str, model_dtype: str) -> int:
+    def kv_cache_dtype_bytes(
+        self, kv_cache_dtype: str, model_dtype: str, scenario: Scenario | None = None
+    ) -> int:
         return dtypes.kv_cache_dtype_bytes(kv_cache_dtype, model_dtype)
 
-    # -- attention_page / state_page / max_memory
-    def attention_page_bytes(self, spec: AttentionSpec) -> int:
-        return spec.page_size_bytes
+    # -- hybrid_alignment: Phase 2 of update_block_size_for_backend
+    def align_hybrid_block_size(self, scenario: Scenario) -> HybridAlignment | None:
+        return hybrid.hybrid_alignment(scenario)
 
+    # -- block_size: the cache config after update_block_size_for_backend
+    def choose_block_size(self, scenario: Scenario) -> BlockChoice:
+        return hybrid.block_choice(scenario, self.align_hybrid_block_size(scenario=scenario))
+
+    # -- state_page
     def state_shapes(self, scenario: Scenario) -> Shapes:
         model, rt = scenario.model, scenario.runtime
         if model is None or model.state is None:
             raise ValueError(f"{scenario.name}: no state layers")
         return state_shapes(model.state, rt.tensor_parallel_size, rt.num_speculative_tokens)
 
-    def state_page_bytes(self, spec: MambaSpec) -> int:
+    def state_page_bytes(self, spec: MambaSpec, scenario: Scenario) -> int:
         return spec.page_size_bytes
 
-    def max_memory_usage_bytes(self, spec: KVCacheSpec, runtime: RuntimeSettings) -> int:
-        return spec.max_memory_usage_bytes(runtime)
+    # -- layer_specs: what the worker's get_kv_cache_spec reports
+    def layer_specs(self, scenario: Scenario) -> dict[str, KVCacheSpec]:
+        model = scenario.model
+        has_state = model is not None and model.state is not None
+        return layer_specs(
+            scenario, choice=self.choose_block_size(scenario=scenario),
+            shapes=self.state_shapes(scenario=scenario) if has_state else None,
+        )  # fmt: skip
 
-    # -- hybrid_alignment
-    def align_hybrid_block_size(self, scenario: Scenario) -> HybridAlignment | None:
-        return hybrid.hybrid_alignment(scenario)
+    # -- attention_page / max_memory
+    def attention_page_bytes(self, spec: AttentionSpec, scenario: Scenario) -> int:
+        return spec.page_size_bytes
+
+    def max_memory_usage_bytes(self, spec: KVCacheSpec, scenario: Scenario) -> int:
+        return spec.max_memory_usage_bytes(scenario.runtime)
 
     # -- unification
-    def unify_page_sizes(self, specs: dict[str, KVCacheSpec], policy: str) -> dict[str, KVCacheSpec]:
-        return unify_page_sizes(specs, policy)
+    def unify_page_sizes(self, specs: dict[str, KVCacheSpec], scenario: Scenario) -> dict[str, KVCacheSpec]:
+        return unify_page_sizes(specs, self.policy_for(scenario))
 
     # -- grouping
-    def kv_cache_groups(
-        self, specs: dict[str, KVCacheSpec], runtime: RuntimeSettings, policy: str
-    ) -> list[KVCacheGroup]:
-        return [g.public(runtime) for g in get_kv_cache_groups(specs, policy)]
+    def kv_cache_groups(self, specs: dict[str, KVCacheSpec], scenario: Scenario) -> list[KVCacheGroup]:
+        # A plan asks for the groups of the same specs up to three times (groups, memory check,
+        # estimate): the last answer is kept while it is for these very objects.
+        memo = self.__dict__.get("_groups_memo")
+        if memo is not None and memo[0] is specs and memo[1] is scenario:
+            return list(memo[2])
+        groups = get_kv_cache_groups(specs, unify=lambda s: self.unify_page_sizes(s, scenario=scenario))
+
+        def pages(spec: KVCacheSpec) -> int:
+            return cdiv(self.max_memory_usage_bytes(spec, scenario=scenario), spec.page_size_bytes)
+
+        public = [g.public(scenario.runtime, pages) for g in groups]
+        self.__dict__["_groups_memo"] = (specs, scenario, public)
+        return list(public)
 
     # -- memory
-    def check_memory(
-        self, specs: dict[str, KVCacheSpec], runtime: RuntimeSettings, policy: str
-    ) -> MemoryCheck:
-        return memory.check_memory(get_kv_cache_groups(specs, policy), runtime)
+    def check_memory(self, specs: dict[str, KVCacheSpec], scenario: Scenario) -> MemoryCheck:
+        return memory.check_memory(
+            self._needed_bytes(specs, scenario), scenario.runtime,
+            lambda available: self.estimate_max_model_len(specs, available, scenario=scenario),
+        )  # fmt: skip
 
     def estimate_max_model_len(
-        self, specs: dict[str, KVCacheSpec], runtime: RuntimeSettings, available: int, policy: str
+        self, specs: dict[str, KVCacheSpec], available: int, scenario: Scenario
     ) -> int:
-        return memory.estimate_max_model_len(get_kv_cache_groups(specs, policy), runtime, available)
+        return memory.estimate_max_model_len(self._needed_bytes(specs, scenario), scenario.runtime, available)
+
+    def _needed_bytes(self, specs: dict[str, KVCacheSpec], scenario: Scenario) -> memory.NeededBytes:
+        """``bytes_per_block`` and ``length -> bytes needed`` from this object's own groups."""
+        groups = self.kv_cache_groups(specs, scenario=scenario)
+        if not groups:
+            raise ValueError("no KV cache groups: nothing to plan")
+        per_block = max(g.bytes_per_block for g in groups)
+
+        def needed(length: int) -> int:
+            at = groups if length == scenario.runtime.max_model_len else (
+                self.kv_cache_groups(specs, scenario=at_length(scenario, length)))  # fmt: skip
+            return per_block * sum(g.blocks_per_request for g in at)
+
+        return memory.NeededBytes(per_block, needed)
 
     # -- one_sequence (vllm-metal)
-    def one_sequence_bytes(self, scenario: Scenario) -> int:
-        block, padded = hybrid.block_and_padding(scenario, hybrid.hybrid_alignment(scenario))
-        return metal.one_sequence_kv_bytes(scenario, block, padded)
+    def one_sequence_bytes(self, block_size: int, state_page_padded: int | None, scenario: Scenario) -> int:
+        return metal.one_sequence_kv_bytes(scenario, block_size, state_page_padded)
 
     # -- kernel_block (vllm-metal)
-    def kernel_block_size(self, block_size: int) -> int:
+    def kernel_block_size(self, block_size: int, scenario: Scenario | None = None) -> int:
         return metal.pick_kernel_block_size(block_size)
 
     def build_block_tables(
-        self, rows: Sequence[Sequence[int]], block_size: int
+        self, rows: Sequence[Sequence[int]], block_size: int, scenario: Scenario | None = None
     ) -> tuple[list[list[int]], int]:
         return metal.build_block_tables(rows, block_size)
 
-    # -- the per-layer specs the other rules take as input (not a rule of its own)
-    def layer_specs(self, scenario: Scenario) -> dict[str, KVCacheSpec]:
-        return layer_specs(scenario, self.align_hybrid_block_size(scenario))
+    # -- plan: every rule above, composed through this object
+    def plan(self, scenario: Scenario) -> KVPlan:
+        from .plan import compose_plan
+
+        return compose_plan(self, scenario)
+
+    # -- allocation: the reference's arithmetic of a pool (a real backend allocates it)
+    def allocate_kv_cache(self, plan: KVPlan, num_blocks: int, scenario: Scenario) -> PoolAllocation:
+        return PoolAllocation(num_blocks, plan.bytes_per_block, num_blocks * plan.bytes_per_block)
+
+    def check_kv_cache_config(self, allocation: PoolAllocation, num_blocks: int, scenario: Scenario) -> None:
+        """Reject an engine KV cache config of more blocks than the pool holds (vllm-metal #527,
+        ``ModelCachePolicy.initialize_kv_cache``); fewer blocks are accepted."""
+        if num_blocks > allocation.num_blocks:
+            raise ValueError(metal.oversized_config_error(num_blocks, allocation.num_blocks))

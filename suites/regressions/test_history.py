@@ -17,18 +17,21 @@ import pytest
 from pytest_kvconform.conformance import call_rule, skip_if_not_provided
 from pytest_kvconform.reference.memory import not_enough_memory_error
 from pytest_kvconform.reference.specs import AttentionSpec, MambaSpec
-from pytest_kvconform.regressions import assert_plan_matches_golden, backend_plan, regression
+from pytest_kvconform.regressions import (
+    assert_plan_matches_golden,
+    backend_plan,
+    one_sequence_bytes,
+    regression,
+)
 from pytest_kvconform.scenario import Scenario
 
 
 def check_memory(backend: Any, reference: Any, scenario: Scenario) -> Any:
-    specs, rt = reference.layer_specs(scenario), scenario.runtime
-    return call_rule(backend, "memory", "check_memory", specs, rt, rt.unify_policy, scenario=scenario)
+    return call_rule(backend, "check_memory", reference.layer_specs(scenario), scenario=scenario)
 
 
 def groups(backend: Any, reference: Any, scenario: Scenario) -> Any:
-    specs, rt = reference.layer_specs(scenario), scenario.runtime
-    return call_rule(backend, "grouping", "kv_cache_groups", specs, rt, rt.unify_policy, scenario=scenario)
+    return call_rule(backend, "kv_cache_groups", reference.layer_specs(scenario), scenario=scenario)
 
 
 # ----------------------------------------------------------------------------- vllm-metal#243
@@ -45,13 +48,13 @@ def test_metal243_gdn_recurrent_state_is_fp32(kv_backend: Any, kv_reference: Any
     """
     s = GDN_PROBE()
     assert (
-        call_rule(kv_backend, "one_sequence", "one_sequence_bytes", s, scenario=s)
+        one_sequence_bytes(kv_backend, s)
         == (6 * (3 * 4096 * 2 + 16 * 128 * 128 * 4) + 2 * 8384 * 256)
         == 10_731_520
     )
     state = next(x for x in kv_reference.layer_specs(s).values() if isinstance(x, MambaSpec))
     assert state.dtypes == ("bfloat16", "float32")
-    assert call_rule(kv_backend, "state_page", "state_page_bytes", state, scenario=s) == 1_073_152
+    assert call_rule(kv_backend, "state_page_bytes", state, scenario=s) == 1_073_152
 
 
 # ----------------------------------------------------------------------------- vllm-metal#233/#529
@@ -67,8 +70,8 @@ def test_metal233_529_mla_is_one_latent(kv_backend: Any, kv_reference: Any) -> N
     """
     s = GLM47()
     spec = next(iter(kv_reference.layer_specs(s).values()))
-    assert call_rule(kv_backend, "attention_page", "attention_page_bytes", spec, scenario=s) == 64 * 576 * 2
-    one_sequence = call_rule(kv_backend, "one_sequence", "one_sequence_bytes", s, scenario=s)
+    assert call_rule(kv_backend, "attention_page_bytes", spec, scenario=s) == 64 * 576 * 2
+    one_sequence = one_sequence_bytes(kv_backend, s)
     assert one_sequence == 47 * 131_072 * 576 * 2
     plan = backend_plan(kv_backend, s)
     assert (plan.attn_bytes_per_token_per_layer, plan.bytes_per_block) == (1152, 47 * 64 * 1152)
@@ -128,9 +131,9 @@ def test_metal575_estimate_counts_padded_state_pages(kv_backend: Any, kv_referen
     is 491,520 B short and admission fails at any length ("0.22 GiB ... available 0.22 GiB").
     """
     s = QWEN36_MLX()
-    got = call_rule(kv_backend, "one_sequence", "one_sequence_bytes", s, scenario=s)
+    got = one_sequence_bytes(kv_backend, s)
     assert got == 10 * 8448 * 2048 + 30 * 2_162_688 == 237_895_680
-    assert got == kv_reference.check_memory(kv_reference.layer_specs(s), s.runtime, "pad-to-max").needed_bytes
+    assert got == kv_reference.check_memory(kv_reference.layer_specs(s), scenario=s).needed_bytes
     raw = 10 * 8448 * 2048 + 30 * 2_146_304
     text = not_enough_memory_error(8192, got, raw, 0)
     assert "(0.22 GiB KV cache is needed, which is larger than the available KV cache memory (0.22 GiB)" in (
@@ -153,7 +156,7 @@ def test_metal563_sliding_layers_are_not_billed_as_full(kv_backend: Any, kv_refe
     specs = list(dict.fromkeys(kv_reference.layer_specs(s).values()))
     sliding = next(x for x in specs if x.kind == "sliding_window")
     full = next(x for x in specs if x.kind == "full_attention")
-    mm = [call_rule(kv_backend, "max_memory", "max_memory_usage_bytes", x, s.runtime, scenario=s)
+    mm = [call_rule(kv_backend, "max_memory_usage_bytes", x, scenario=s)
           for x in (sliding, full)]  # fmt: skip
     assert mm == [193 * 262_144, 8192 * 262_144]
     got = groups(kv_backend, kv_reference, s)
@@ -206,7 +209,7 @@ def test_metal259_579_state_needs_one_block_per_request(kv_backend: Any, kv_refe
     s = QWEN3_NEXT()
     state = next(x for x in kv_reference.layer_specs(s).values() if isinstance(x, MambaSpec))
     assert state.block_size == s.runtime.max_model_len
-    mm = call_rule(kv_backend, "max_memory", "max_memory_usage_bytes", state, s.runtime, scenario=s)
+    mm = call_rule(kv_backend, "max_memory_usage_bytes", state, scenario=s)
     assert mm == state.page_size_bytes
     got = groups(kv_backend, kv_reference, s)
     assert [(g.kind, g.blocks_per_request) for g in got] == [*[("mamba", 1)] * 3, ("full_attention", 61)]
@@ -225,8 +228,8 @@ def test_metal235_kernel_block_is_translated(kv_backend: Any, block: int, kernel
     Wrong formula: dispatch with the vLLM block size (``kernel_block_size(bs) == bs``, no table
     expansion).
     """
-    assert call_rule(kv_backend, "kernel_block", "kernel_block_size", block) == kernel
-    table, got = call_rule(kv_backend, "kernel_block", "build_block_tables", [[3], [0, 1]], block)
+    assert call_rule(kv_backend, "kernel_block_size", block) == kernel
+    table, got = call_rule(kv_backend, "build_block_tables", [[3], [0, 1]], block)
     ratio = block // kernel
     assert got == kernel
     assert [list(map(int, r)) for r in table] == [
@@ -252,10 +255,10 @@ def test_metal125_fp32_model_is_4_bytes(kv_backend: Any, kv_reference: Any) -> N
 
     Wrong formula: ``dtype_size = 2`` hard-coded (fp32 models undercounted 2x).
     """
-    assert call_rule(kv_backend, "dtype", "kv_cache_dtype_bytes", "auto", "float32") == 4
+    assert call_rule(kv_backend, "kv_cache_dtype_bytes", "auto", "float32") == 4
     s = QWEN3_FP32()
     spec = next(iter(kv_reference.layer_specs(s).values()))
-    page = call_rule(kv_backend, "attention_page", "attention_page_bytes", spec, scenario=s)
+    page = call_rule(kv_backend, "attention_page_bytes", spec, scenario=s)
     assert page == 16 * 8 * 128 * 2 * 4
     plan = backend_plan(kv_backend, s)
     assert (plan.attn_bytes_per_token_per_layer, plan.bytes_per_block) == (8192, 28 * 16 * 8192)
@@ -280,7 +283,7 @@ def test_vllm43626_mamba_page_is_padded_not_scaled(kv_backend: Any, kv_reference
     if fixed and fixed != "pad-to-max":
         pytest.skip(f"backend {kv_backend.name!r} always unifies with {fixed!r}")
     specs = kv_reference.layer_specs(s)
-    out = call_rule(kv_backend, "unification", "unify_page_sizes", specs, "pad-to-max", scenario=s)
+    out = call_rule(kv_backend, "unify_page_sizes", specs, scenario=s)
     target, state, draft = out["layer_specs.0.0"], out["layer_specs.1.0"], out["layer_specs.2.0"]
     assert (target.block_size, target.page_size_bytes) == (800, 1_638_400)
     assert isinstance(state, MambaSpec)

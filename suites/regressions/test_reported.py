@@ -21,19 +21,28 @@ from pytest_kvconform.reference.layers import layer_specs
 from pytest_kvconform.reference.memory import format_gib, not_enough_memory_error
 from pytest_kvconform.reference.metal import KERNEL_BLOCK_SIZES
 from pytest_kvconform.reference.specs import AttentionSpec, MambaSpec
-from pytest_kvconform.regressions import assert_plan_matches_golden, backend_plan, regression
+from pytest_kvconform.regressions import (
+    assert_plan_matches_golden,
+    backend_plan,
+    one_sequence_bytes,
+    regression,
+)
 from pytest_kvconform.scenario import Scenario
 
 
-def unify(backend: Any, specs: dict[str, Any], policy: str, *, raises: bool = False) -> Any:
-    """``unify_page_sizes`` on the backend; ``raises``: call it bare so the test sees the exception."""
+def unify(
+    backend: Any, scenario: Scenario, specs: dict[str, Any], policy: str, *, raises: bool = False
+) -> Any:
+    """``unify_page_sizes`` on the backend under ``policy``; ``raises``: call it bare so the test
+    sees the exception."""
     fixed = getattr(backend, "unify_policy", None)
     if fixed and fixed != policy:
         pytest.skip(f"backend {backend.name!r} always unifies with {fixed!r}, not {policy!r}")
+    s = scenario.with_runtime(unify_policy=policy)
     if raises:
         skip_if_not_provided(backend, "unification")
-        return backend.unify_page_sizes(specs, policy)
-    return call_rule(backend, "unification", "unify_page_sizes", specs, policy)
+        return backend.unify_page_sizes(specs, scenario=s)
+    return call_rule(backend, "unify_page_sizes", specs, scenario=s)
 
 
 # ----------------------------------------------------------------------------- 1. Granite bs400
@@ -52,7 +61,7 @@ def test_metal229_granite_bs400_one_sequence_is_block_aligned(kv_backend: Any) -
     """
     s = GRANITE_BS400()
     assert (GRANITE_ALIGNED, GRANITE_UNALIGNED) == (196_608_000, 167_772_160)
-    got = call_rule(kv_backend, "one_sequence", "one_sequence_bytes", s, scenario=s)
+    got = one_sequence_bytes(kv_backend, s)
     assert got == GRANITE_ALIGNED
     assert (format_gib(GRANITE_ALIGNED), format_gib(GRANITE_UNALIGNED)) == ("0.18", "0.16")
     plan = backend_plan(kv_backend, s)
@@ -71,8 +80,8 @@ def test_metal229_granite_bs400_old_estimate_fails_admission(kv_backend: Any, kv
         text
     )
     s = GRANITE_BS400().with_runtime(kv_cache_memory_bytes=GRANITE_UNALIGNED)
-    specs, rt = kv_reference.layer_specs(s), s.runtime
-    got = call_rule(kv_backend, "memory", "check_memory", specs, rt, "pad-to-max", scenario=s)
+    specs = kv_reference.layer_specs(s)
+    got = call_rule(kv_backend, "check_memory", specs, scenario=s)
     check = GRANITE_UNALIGNED - 32_768_000  # one block of 40 layers x 400 tokens x 2048 B
     assert (got.bytes_per_block, got.needed_bytes) == (32_768_000, GRANITE_ALIGNED)
     assert got.available_bytes == check
@@ -92,8 +101,8 @@ def test_metal229_granite_bs400_exact_report_fails_by_the_null_block(
     change = {"kv_cache_memory_bytes": GRANITE_ALIGNED} if how == "kv_cache_memory_bytes" else {
         "num_gpu_blocks_override": 6, "kv_cache_memory_bytes": 1 << 40}  # fmt: skip
     s = GRANITE_BS400().with_runtime(**change)
-    specs, rt = kv_reference.layer_specs(s), s.runtime
-    got = call_rule(kv_backend, "memory", "check_memory", specs, rt, "pad-to-max", scenario=s)
+    specs = kv_reference.layer_specs(s)
+    got = call_rule(kv_backend, "check_memory", specs, scenario=s)
     assert (got.num_blocks, got.needed_bytes, got.available_bytes) == (6, GRANITE_ALIGNED, 163_840_000)
     assert got.max_model_len_estimate == 2000
     assert got.admission == (
@@ -111,7 +120,7 @@ def test_metal229_granite_default_block_16_never_shows_it(kv_backend: Any, kv_re
     """vllm-metal#229: at the default block 16, 2048 tokens are already block-aligned, so the
     aligned and the unaligned estimates agree with vLLM's need (the bug needs a large block)."""
     s = GRANITE_BS400().with_runtime(block_size=16, user_specified_block_size=False)
-    got = call_rule(kv_backend, "one_sequence", "one_sequence_bytes", s, scenario=s)
+    got = one_sequence_bytes(kv_backend, s)
     plan = backend_plan(kv_backend, s)
     assert got == plan.needed_bytes == GRANITE_UNALIGNED
     assert plan.one_sequence_tokens == 2048
@@ -132,7 +141,7 @@ def test_metal230_qwen35_reviewer_block(kv_backend: Any, alignment: int, block: 
     Wrong formula: no hybrid alignment at all (block 16, unpadded state).
     """
     s = QWEN35_BS160().with_runtime(kernel_block_alignment=alignment)
-    got = call_rule(kv_backend, "hybrid_alignment", "align_hybrid_block_size", s, scenario=s)
+    got = call_rule(kv_backend, "align_hybrid_block_size", scenario=s)
     assert (got.state_page_bytes, got.attn_page_bytes_per_token) == (548_864, 4096)
     assert (got.block_size, got.page_size_bytes) == (block, block * 4096)
     assert got.state_page_padded_bytes == block * 4096
@@ -147,7 +156,7 @@ def test_metal230_qwen35_unaligned_pages_cannot_unify_by_scaling(kv_backend: Any
     s = QWEN35_BS160()
     specs = layer_specs(s, None)
     with pytest.raises(NotImplementedError) as info:
-        unify(kv_backend, specs, "scale-only", raises=True)
+        unify(kv_backend, s, specs, "scale-only", raises=True)
     assert str(info.value) == (
         "The page size of the layer is not divisible by the maximum page size. "
         "Cannot unify by adjusting block_size."
@@ -162,10 +171,10 @@ def test_metal235_block_160_runs_as_5_kernel_blocks_of_32(kv_backend: Any) -> No
     Wrong formula: dispatch the kernel with the vLLM block size (``kernel_block_size(160) == 160``).
     """
     assert 160 not in KERNEL_BLOCK_SIZES and set(KERNEL_BLOCK_SIZES) == {8, 16, 32}
-    kernel = call_rule(kv_backend, "kernel_block", "kernel_block_size", 160)
+    kernel = call_rule(kv_backend, "kernel_block_size", 160)
     assert kernel != 160
     assert kernel == 32
-    table, kernel = call_rule(kv_backend, "kernel_block", "build_block_tables", [[0, 2], [1]], 160)
+    table, kernel = call_rule(kv_backend, "build_block_tables", [[0, 2], [1]], 160)
     assert kernel == 32
     assert [list(map(int, r)) for r in table] == [
         [0, 1, 2, 3, 4, 10, 11, 12, 13, 14],
@@ -204,10 +213,10 @@ def test_glm5_fp8_ds_mla_pages(kv_backend: Any, kv_reference: Any) -> None:
     kv = [x for x in specs if isinstance(x, AttentionSpec) and x.cache_role == "kv"]
     indexer = [x for x in specs if isinstance(x, AttentionSpec) and x.cache_role == "indexer"]
     assert len(kv) == len(indexer) == 1
-    page = call_rule(kv_backend, "attention_page", "attention_page_bytes", kv[0], scenario=s)
+    page = call_rule(kv_backend, "attention_page_bytes", kv[0], scenario=s)
     assert page == 64 * 656
     assert page not in (64 * 576, 64 * 1152, 2 * 64 * 656)
-    assert call_rule(kv_backend, "attention_page", "attention_page_bytes", indexer[0], scenario=s) == 64 * 132
+    assert call_rule(kv_backend, "attention_page_bytes", indexer[0], scenario=s) == 64 * 132
     plan = backend_plan(kv_backend, s)
     assert (plan.attn_bytes_per_token_per_layer, plan.indexer_bytes_per_token_per_layer) == (656, 132)
     assert plan.bytes_per_block == 78 * 64 * (656 + 132) == 3_933_696
@@ -226,7 +235,7 @@ def test_vllm_b2_mla_hybrid_block_uses_the_packed_page(kv_backend: Any) -> None:
     assert (planner.block_size, planner.page_size_bytes) == (1408, 811_008)
     assert (true.block_size, true.page_size_bytes) == (1280, 839_680)
     s = MLA_MAMBA()
-    got = call_rule(kv_backend, "hybrid_alignment", "align_hybrid_block_size", s, scenario=s)
+    got = call_rule(kv_backend, "align_hybrid_block_size", scenario=s)
     assert (got.attn_page_bytes_per_token, got.block_size) == (656, 1280)
     assert got.state_page_padded_bytes == 839_680
 
@@ -240,7 +249,7 @@ def test_vllm_b2_planner_block_makes_unify_repad_mamba(kv_backend: Any) -> None:
     planner = align_hybrid_block_size(576, 806_400, use_mla=True)
     specs = layer_specs(s, planner)
     assert {x.page_size_bytes for x in specs.values()} == {923_648, 811_008}
-    out = unify(kv_backend, specs, "pad-to-max")
+    out = unify(kv_backend, s, specs, "pad-to-max")
     mla = [x for x in out.values() if isinstance(x, AttentionSpec)]
     state = [x for x in out.values() if isinstance(x, MambaSpec)]
     assert {(x.block_size, x.page_size_bytes) for x in mla} == {(1408, 923_648)}
@@ -272,10 +281,10 @@ def test_vllm40128_turboquant_lcm_policies(kv_backend: Any, kv_reference: Any, p
     assert (specs[attn].page_size_bytes, specs[state].page_size_bytes) == (776, 12_648_448)
     if policy == "scale-only":
         with pytest.raises(NotImplementedError) as info:
-            unify(kv_backend, specs, policy, raises=True)
+            unify(kv_backend, TQ_LCM(), specs, policy, raises=True)
         assert str(info.value) == SCALE_ONLY_TEXT
         return
-    out = unify(kv_backend, specs, policy)
+    out = unify(kv_backend, TQ_LCM(), specs, policy)
     if policy == "lcm":
         assert (out[attn].block_size, out[attn].page_size_bytes) == (16_300, 12_648_800)
         assert out[state].page_size_bytes == 12_648_800
@@ -316,7 +325,7 @@ def test_vllm_b2_kimi_linear_block_uses_the_packed_page(kv_backend: Any) -> None
     page 2,183,168 B. The KDA state is notes e4's: (3, 12288) bf16 + (32, 128, 128) fp32.
     """
     s = KIMI_B2()
-    got = call_rule(kv_backend, "hybrid_alignment", "align_hybrid_block_size", s, scenario=s)
+    got = call_rule(kv_backend, "align_hybrid_block_size", scenario=s)
     assert (got.attn_page_bytes_per_token, got.state_page_bytes) == (656, 2_170_880)
     assert (got.block_size, got.state_page_padded_bytes) == (3328, 2_183_168)
 

@@ -14,11 +14,10 @@ import contextlib
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, ClassVar, TypeVar
 
-from ...model import HybridAlignment, KVCacheGroup, KVPlan, MemoryCheck
+from ...model import HybridAlignment, KVCacheGroup, MemoryCheck
 from ...reference.mamba import Shapes
-from ...reference.plan import compose_plan
 from ...reference.specs import AttentionSpec, KVCacheSpec, MambaSpec
-from ...scenario import RuntimeSettings, Scenario
+from ...scenario import Scenario
 from ..base import ReferenceBackend
 from . import configs, hybrid, planning
 from . import specs as vllm_specs
@@ -143,70 +142,58 @@ class VllmBackend(ReferenceBackend):
         return installed_vllm_version()
 
     # -- dtype
-    def kv_cache_dtype_bytes(self, kv_cache_dtype: str, model_dtype: str) -> int:
+    def kv_cache_dtype_bytes(
+        self, kv_cache_dtype: str, model_dtype: str, scenario: Scenario | None = None
+    ) -> int:
         """``get_dtype_size(kv_cache_dtype_str_to_dtype(...))``."""
-        return self._call(None, vllm_specs.kv_cache_dtype_bytes, kv_cache_dtype, model_dtype)
-
-    # -- attention_page / state_page / max_memory
-    def attention_page_bytes(self, spec: AttentionSpec) -> int:
-        """``<AttentionSpec subclass>.page_size_bytes``."""
-        return self._call(None, vllm_specs.page_size_bytes, spec)
-
-    def state_shapes(self, scenario: Scenario) -> Shapes:
-        """``<ModelClass>.get_mamba_state_shape_from_config`` for a generated config.json."""
-        return self._call(scenario, hybrid.state_shapes, scenario, self.platform_cls)
-
-    def state_page_bytes(self, spec: MambaSpec) -> int:
-        """``MambaSpec.page_size_bytes``."""
-        return self._call(None, vllm_specs.page_size_bytes, spec)
-
-    def max_memory_usage_bytes(self, spec: KVCacheSpec, runtime: RuntimeSettings) -> int:
-        """``<Spec>.max_memory_usage_bytes(vllm_config)``."""
-        return self._call(None, vllm_specs.max_memory_usage_bytes, spec, runtime)
+        return self._call(scenario, vllm_specs.kv_cache_dtype_bytes, kv_cache_dtype, model_dtype)
 
     # -- hybrid_alignment
     def align_hybrid_block_size(self, scenario: Scenario) -> HybridAlignment | None:
         """``<platform>._align_hybrid_block_size`` on the scenario's offline ``VllmConfig``."""
         return self._call(scenario, hybrid.align_hybrid_block_size, scenario, self.platform_cls)
 
+    # -- state_page / attention_page / max_memory
+    def state_shapes(self, scenario: Scenario) -> Shapes:
+        """``<ModelClass>.get_mamba_state_shape_from_config`` for a generated config.json."""
+        return self._call(scenario, hybrid.state_shapes, scenario, self.platform_cls)
+
+    def state_page_bytes(self, spec: MambaSpec, scenario: Scenario) -> int:
+        """``MambaSpec.page_size_bytes``."""
+        return self._call(scenario, vllm_specs.page_size_bytes, spec)
+
+    def attention_page_bytes(self, spec: AttentionSpec, scenario: Scenario) -> int:
+        """``<AttentionSpec subclass>.page_size_bytes``."""
+        return self._call(scenario, vllm_specs.page_size_bytes, spec)
+
+    def max_memory_usage_bytes(self, spec: KVCacheSpec, scenario: Scenario) -> int:
+        """``<Spec>.max_memory_usage_bytes(vllm_config)``."""
+        return self._call(scenario, vllm_specs.max_memory_usage_bytes, spec, scenario.runtime)
+
     # -- unification
-    def unify_page_sizes(self, specs: dict[str, KVCacheSpec], policy: str) -> dict[str, KVCacheSpec]:
+    def unify_page_sizes(self, specs: dict[str, KVCacheSpec], scenario: Scenario) -> dict[str, KVCacheSpec]:
         """``unify_kv_cache_spec_page_size`` (vLLM implements only ``pad-to-max``)."""
-        _check_policy(policy)
-        return self._call(None, planning.unify_page_sizes, specs)
+        self.policy_for(scenario)
+        return self._call(scenario, planning.unify_page_sizes, specs)
 
     # -- grouping
-    def kv_cache_groups(
-        self, specs: dict[str, KVCacheSpec], runtime: RuntimeSettings, policy: str
-    ) -> list[KVCacheGroup]:
+    def kv_cache_groups(self, specs: dict[str, KVCacheSpec], scenario: Scenario) -> list[KVCacheGroup]:
         """``get_kv_cache_groups`` (0.33: ``get_global_kv_cache_groups``)."""
-        _check_policy(policy)
-        return self._call(None, planning.kv_cache_groups, specs, runtime)
+        self.policy_for(scenario)
+        return self._call(scenario, planning.kv_cache_groups, specs, scenario.runtime)
 
     # -- memory
-    def check_memory(
-        self, specs: dict[str, KVCacheSpec], runtime: RuntimeSettings, policy: str
-    ) -> MemoryCheck:
+    def check_memory(self, specs: dict[str, KVCacheSpec], scenario: Scenario) -> MemoryCheck:
         """``get_kv_cache_configs`` and its ``_check_enough_kv_cache_memory``."""
-        _check_policy(policy)
-        return self._call(None, planning.check_memory, specs, runtime)
+        self.policy_for(scenario)
+        return self._call(scenario, planning.check_memory, specs, scenario.runtime)
 
     def estimate_max_model_len(
-        self, specs: dict[str, KVCacheSpec], runtime: RuntimeSettings, available: int, policy: str
+        self, specs: dict[str, KVCacheSpec], available: int, scenario: Scenario
     ) -> int:
         """``_estimate_max_model_len_from_groups``."""
-        _check_policy(policy)
-        return self._call(None, planning.estimate_max_model_len, specs, runtime, available)
-
-    # -- plan
-    def plan(self, scenario: Scenario) -> KVPlan:
-        """The reference's composition with every step vLLM can answer answered by vLLM.
-
-        The per-layer specs are the reference's (vLLM builds them from constructed layers) at
-        vLLM's hybrid block size; the vllm-metal fields (kernel block, one-sequence bytes) use
-        the reference's rules on vLLM's block size.
-        """
-        return compose_plan(self, scenario)
+        self.policy_for(scenario)
+        return self._call(scenario, planning.estimate_max_model_len, specs, scenario.runtime, available)
 
 
 def _check_policy(policy: str) -> None:

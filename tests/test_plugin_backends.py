@@ -1,0 +1,97 @@
+"""The backend API as a plugin uses it: a toy package registered through the entry point group.
+
+``tests/toy_plugin`` is laid out as an installed distribution (``kvtoy`` plus its
+``.dist-info`` with ``[pytest_kvconform.backends]`` entry points), so each pytester run selects
+its backends by name, as a plugin's CI would.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+TOY = Path(__file__).parent / "toy_plugin"
+SUITES = Path(__file__).resolve().parents[1] / "suites"
+RULES, ALLOCATION = str(SUITES / "test_rules.py"), str(SUITES / "test_allocation.py")
+
+
+@pytest.fixture
+def toy(pytester: pytest.Pytester) -> pytest.Pytester:
+    pytester.syspathinsert(TOY)
+    return pytester
+
+
+def run(pytester: pytest.Pytester, *args: str) -> tuple[pytest.RunResult, dict]:
+    report = pytester.path / "report.json"
+    result = pytester.runpytest(*args, f"--kvconform-report={report}", "-p", "no:cacheprovider")
+    return result, json.loads(report.read_text())["rules"]
+
+
+def test_the_toy_backends_are_found_by_entry_point(toy: pytest.Pytester) -> None:
+    from pytest_kvconform.backends.registry import available_backends
+
+    assert {"toy", "toy-mla-kv", "toy-no-guard", "toy-broken-kernel"} <= set(available_backends())
+
+
+def test_own_layer_specs_are_compared_layer_by_layer(toy: pytest.Pytester) -> None:
+    """Item 1: a spec bug in the plugin's own get_kv_cache_spec fails layer_specs and the plan
+    that composes it, naming the layer and the field; every other family passes."""
+    result, rules = run(toy, RULES, "--kvconform-backend=toy-mla-kv", "-k", "glm or granite")
+    failed = {rule for rule, counts in rules.items() if counts["failed"]}
+    assert failed == {"layer_specs", "plan"}
+    assert rules["layer_specs"]["failed"] == 2  # GLM-4.7-Flash and GLM-5 are MLA; Granite is not
+    # GLM-5's fp8_ds_mla latent is packed (656 B/token whatever head_size_v says): its plan does
+    # not move, only the layer-by-layer comparison sees the wrong spec.
+    assert rules["plan"]["failed"] == 1
+    result.stdout.fnmatch_lines([
+        "E       AssertionError: layer 0 (attention): head_size_v: reference 0, backend 576",
+    ])  # fmt: skip
+
+
+def test_a_model_the_backend_declines_inherits_that_step(toy: pytest.Pytester) -> None:
+    """Items 2 and 4: the scenario reaches every rule; declining one step for MLA models skips
+    nothing else and the plan takes the reference's kernel block, reported in the summary."""
+    result, rules = run(toy, RULES, "--kvconform-backend=toy", "-k", "plan or kernel")
+    assert result.ret == 0
+    assert rules["plan"] == {"passed": 11, "failed": 0, "skipped": 0, "xfailed": 0}
+    result.stdout.fnmatch_lines([
+        "plan steps the reference answered because the backend declined them:",
+        "*2 plans  kernel_block.kernel_block_size: reference (not applicable: MLA models never take the toy*",
+    ])  # fmt: skip
+
+
+def test_an_unexpected_exception_fails_every_plan_naming_the_rule(toy: pytest.Pytester) -> None:
+    """Item 4: a kernel that cannot load is a failure of the kernel_block rule wherever it is asked."""
+    result, rules = run(toy, RULES, "--kvconform-backend=toy-broken-kernel", "-k", "plan")
+    assert rules["plan"]["failed"] == 11
+    result.stdout.fnmatch_lines([
+        "*[[]kernel_block[]] backend 'toy-broken-kernel'.kernel_block_size raised on scenario*"
+        "RuntimeError: cannot load libtoy_paged_attention.so*",
+    ])  # fmt: skip
+
+
+def test_one_sequence_gets_the_chosen_block(toy: pytest.Pytester) -> None:
+    """Item 3: one_sequence_bytes(block_size, state_page_padded, scenario) with the block choice
+    as its own step (the toy inherits both: all pass)."""
+    result, rules = run(toy, RULES, "--kvconform-backend=toy", "-k", "one_sequence or choose_block")
+    assert result.ret == 0
+    assert rules["one_sequence"]["passed"] == 11 and rules["block_size"]["passed"] == 11
+
+
+def test_backend_options_and_notes_reach_the_header(toy: pytest.Pytester) -> None:
+    """Item 5: options go to the constructor; the backend's notes are in the header."""
+    toy.makepyfile("def test_x(kv_backend): assert kv_backend.device == 'gpu0'")
+    result = toy.runpytest("--kvconform-backend=toy", "--kvconform-backend-option=device=gpu0")
+    assert result.ret == 0
+    result.stdout.fnmatch_lines(["kvconform: backend=toy *, options: device=gpu0, toy device: gpu0"])
+
+
+def test_allocation_family(toy: pytest.Pytester) -> None:
+    """Item 6: a backend that allocates is checked for bytes held and the oversized-config guard."""
+    _, rules = run(toy, ALLOCATION, "--kvconform-backend=toy", "-k", "pool_holds or larger_than")
+    assert rules["allocation"] == {"passed": 22, "failed": 0, "skipped": 0, "xfailed": 0}
+    result, rules = run(toy, ALLOCATION, "--kvconform-backend=toy-no-guard", "-k", "larger_than")
+    assert rules["allocation"]["failed"] == 11
+    result.stdout.fnmatch_lines(["*DID NOT RAISE*"])

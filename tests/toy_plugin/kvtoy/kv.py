@@ -1,0 +1,72 @@
+"""The toy plugin's backends: its own KV sizing code, checked against the reference."""
+
+import dataclasses
+
+from pytest_kvconform.backends.base import ReferenceBackend
+from pytest_kvconform.errors import RuleNotApplicable
+from pytest_kvconform.model import PoolAllocation
+from pytest_kvconform.reference.specs import AttentionSpec
+
+
+class ToyBackend(ReferenceBackend):
+    """Its model runner builds the specs; it has a pool; it never runs MLA through its kernel."""
+
+    name = "toy"
+    capabilities = frozenset({"allocation"})
+
+    def __init__(self, device: str = "cpu") -> None:
+        self.device = device
+
+    def notes(self) -> list[str]:
+        return [f"toy device: {self.device}"]
+
+    def layer_specs(self, scenario):  # the plugin's get_kv_cache_spec
+        return super().layer_specs(scenario)
+
+    def kernel_block_size(self, block_size, scenario=None):
+        if scenario is not None and scenario.model is not None and scenario.model.use_mla:
+            raise RuleNotApplicable("MLA models never take the toy paged kernel")
+        return super().kernel_block_size(block_size)
+
+    def allocate_kv_cache(self, plan, num_blocks, scenario):
+        pool = bytearray(num_blocks * plan.bytes_per_block)  # the toy device's memory
+        return PoolAllocation(num_blocks, plan.bytes_per_block, len(pool), handle=pool)
+
+    def check_kv_cache_config(self, allocation, num_blocks, scenario):
+        if num_blocks > allocation.num_blocks:
+            raise ValueError(
+                f"Engine KV cache config requests {num_blocks} blocks but the Metal paged "
+                f"pool was allocated with {allocation.num_blocks}."
+            )
+
+
+class MlaBilledKV(ToyBackend):
+    """A historical bug: its spec bills an MLA layer K+V (2x the latent, vllm-metal before #233)."""
+
+    name = "toy-mla-kv"
+
+    def layer_specs(self, scenario):
+        return {
+            name: dataclasses.replace(spec, head_size_v=spec.head_size)
+            if isinstance(spec, AttentionSpec) and spec.is_mla and spec.cache_role == "kv"
+            else spec
+            for name, spec in super().layer_specs(scenario).items()
+        }
+
+
+class NoGuard(ToyBackend):
+    """Accepts an engine config larger than its pool (vllm-metal before #527)."""
+
+    name = "toy-no-guard"
+
+    def check_kv_cache_config(self, allocation, num_blocks, scenario):
+        return None
+
+
+class KernelFailsToLoad(ToyBackend):
+    """Its kernel library cannot load here: a failure, not a skip."""
+
+    name = "toy-broken-kernel"
+
+    def kernel_block_size(self, block_size, scenario=None):
+        raise RuntimeError("cannot load libtoy_paged_attention.so")
