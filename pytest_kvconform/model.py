@@ -73,6 +73,8 @@ class MemoryCheck:
     available_bytes: int  # what the check sees: available - bytes_per_block (null block)
     admission: str  # "ok" or vLLM's exact error text
     max_model_len_estimate: int  # largest max_model_len that fits `available_bytes` (0: none)
+    #: ``get_max_concurrency_for_kv_cache_config``: num_blocks / blocks one request needs (0: none)
+    max_concurrency: float = 0.0
 
 
 @dataclass(frozen=True)

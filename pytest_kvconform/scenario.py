@@ -203,6 +203,8 @@ class Scenario:
                 raise ScenarioError(
                     self.source, f"runtime.{key}", "unknown key; expected one of " + ", ".join(sorted(known))
                 )
+        if "block_size" in changes:  # as in a file: setting it is passing --block-size
+            changes.setdefault("user_specified_block_size", True)
         runtime = dataclasses.replace(self.runtime, **changes)
         _check_runtime(runtime, self.source)
         return dataclasses.replace(self, runtime=runtime, expect={}, expect_external={})
@@ -430,7 +432,13 @@ def _read_runtime(r: _Reader, source: str) -> RuntimeSettings:
     values.update({k: r.str(k, default=getattr(defaults, k), choices=c) for k, c in strs.items()})
     values["num_speculative_tokens"] = r.int("num_speculative_tokens", default=0, minimum=0)
     values["num_gpu_blocks_override"] = r.int("num_gpu_blocks_override", default=None)
-    values["user_specified_block_size"] = r.bool("user_specified_block_size", False)
+    # Writing block_size is passing --block-size, unless the file says otherwise.
+    values["user_specified_block_size"] = r.bool("user_specified_block_size", "block_size" in r.data)
+    if not values["user_specified_block_size"] and values["block_size"] != defaults.block_size:
+        raise r.fail(
+            "block_size", f"{values['block_size']} needs user_specified_block_size = true (without a "
+            f"--block-size vLLM starts from {defaults.block_size} and Phase 1 picks the backend's block)",
+        )  # fmt: skip
     runtime = RuntimeSettings(**values)
     _check_runtime(runtime, source)
     return runtime

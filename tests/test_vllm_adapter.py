@@ -38,6 +38,9 @@ def va() -> Iterator[Any]:
         yield SimpleNamespace(
             runtime=runtime, specs=specs, planning=planning, neutral=neutral,
             align_hybrid_block_size=lambda s: hybrid.align_hybrid_block_size(s, neutral),
+            check_memory=lambda specs, rt: planning.check_memory(
+                *planning.neutral_inputs(specs, rt), rt.kv_cache_memory_bytes),
+            kv_cache_groups=lambda specs, rt: planning.kv_cache_groups(*planning.neutral_inputs(specs, rt)),
             state_shapes=lambda s: hybrid.state_shapes(s, neutral),
         )  # fmt: skip
 
@@ -170,7 +173,7 @@ def test_llama_admission_error_and_estimate(va: Any) -> None:
     # notes §17e: 32 layers × 65,536 B, L = 8192, 1 GiB -> "… (8192), (1.0 GiB … (1.0 GiB). …
     # estimated maximum model length is 8176. …"; 10 GiB -> 5120 blocks.
     specs = {f"model.layers.{i}.self_attn": full() for i in range(32)}
-    memory = va.planning.check_memory(specs, RuntimeSettings(max_model_len=8192, kv_cache_memory_bytes=GIB))
+    memory = va.check_memory(specs, RuntimeSettings(max_model_len=8192, kv_cache_memory_bytes=GIB))
     assert memory.bytes_per_block == 2 * 1024 * 1024
     assert memory.needed_bytes == GIB and memory.available_bytes == GIB - 2 * 1024 * 1024
     assert memory.max_model_len_estimate == 8176
@@ -181,12 +184,10 @@ def test_llama_admission_error_and_estimate(va: Any) -> None:
         "controls CPU memory on the CPU backend) or decreasing `max_model_len` when initializing the "
         "engine. See https://docs.vllm.ai/en/latest/configuration/conserving_memory/ for more details."
     )
-    roomy = va.planning.check_memory(
-        specs, RuntimeSettings(max_model_len=8192, kv_cache_memory_bytes=10 * GIB)
-    )
+    roomy = va.check_memory(specs, RuntimeSettings(max_model_len=8192, kv_cache_memory_bytes=10 * GIB))
     assert roomy.admission == "ok" and roomy.num_blocks == 5120
     # notes §17(d): one block of memory is all null block -> "No available memory".
-    starved = va.planning.check_memory(
+    starved = va.check_memory(
         specs, RuntimeSettings(max_model_len=8192, kv_cache_memory_bytes=2 * 1024 * 1024)
     )
     assert starved.admission.startswith("No available memory for the cache blocks.")
@@ -206,12 +207,12 @@ def test_granite_tiny_hybrid_alignment_and_pool(va: Any) -> None:
     from pytest_kvconform.reference.layers import layer_specs
 
     specs = layer_specs(scenario, alignment)
-    groups = va.planning.kv_cache_groups(specs, scenario.runtime)
+    groups = va.kv_cache_groups(specs, scenario.runtime)
     assert len(groups) == 10 and {len(g.layer_names) for g in groups} == {4}  # notes §15e
-    pool = va.planning.plan_pool(specs, scenario.runtime)
-    assert pool.memory.bytes_per_block == 3_276_800  # notes §16e
-    assert pool.memory.num_blocks == 2621  # notes §19e: 8 GiB // 3,276,800
-    assert round(pool.max_concurrency, 2) == 28.80  # notes §19e, none mode, L = 32,768
+    memory = va.check_memory(specs, scenario.runtime)
+    assert memory.bytes_per_block == 3_276_800  # notes §16e
+    assert memory.num_blocks == 2621  # notes §19e: 8 GiB // 3,276,800
+    assert round(memory.max_concurrency, 2) == 28.80  # notes §19e, none mode, L = 32,768
 
 
 def test_backend_matches_reference_plan(va: Any) -> None:

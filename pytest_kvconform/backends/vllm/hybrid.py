@@ -13,8 +13,8 @@ from typing import Any
 
 from ...model import HybridAlignment
 from ...scenario import RuntimeSettings, Scenario
-from .offline import _model_config, config_json, vllm_config
-from .platform import HookChange, current_log, neutral_platform
+from .offline import CACHES, config_json, vllm_config
+from .platform import HookChange, current_log, is_neutral
 from .runtime import UnsupportedByVllmError, vllm_runtime
 
 
@@ -82,12 +82,7 @@ def state_shapes(scenario: Scenario, platform: type) -> tuple[tuple[int, ...], .
 #: (config.json, runtime) -> (result, hook changes) on the neutral platform, whose hooks read
 #: nothing of the host. Other platforms (vLLM's CPU platform reads the CPU's features) are not cached.
 _ALIGNMENTS: dict[tuple[str, RuntimeSettings], tuple[HybridAlignment | None, list[HookChange]]] = {}
-
-
-def clear_caches() -> None:
-    """Forget the cached alignments and ``ModelConfig`` objects (tests that fake the host)."""
-    _ALIGNMENTS.clear()
-    _model_config.cache_clear()
+CACHES.append(_ALIGNMENTS)
 
 
 def align_hybrid_block_size(scenario: Scenario, platform: type) -> HybridAlignment | None:
@@ -102,7 +97,7 @@ def align_hybrid_block_size(scenario: Scenario, platform: type) -> HybridAlignme
             "the prefill checkpoint alignment comes from constructed Mamba layers "
             "(get_mamba_prefill_checkpoint_alignment); a config-only model has none"
         )
-    if platform is not neutral_platform():
+    if not is_neutral(platform):
         return _align(scenario, platform)
     key = (config_json(scenario), rt)
     log = current_log()

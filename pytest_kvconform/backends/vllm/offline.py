@@ -9,6 +9,7 @@ in ``VllmConfig.__post_init__`` as in the engine.
 from __future__ import annotations
 
 import atexit
+import copy
 import functools
 import hashlib
 import json
@@ -23,6 +24,15 @@ from .platform import HookChange, platform_scope, resolve_platform
 from .runtime import UnsupportedByVllmError
 
 _CONFIG_ROOT: list[Path] = []
+
+#: Caches of answers on the neutral platform (one per geometry); tests that fake the host clear them.
+CACHES: list[Any] = []
+
+
+def clear_caches() -> None:
+    """Forget every cached config, alignment and engine view."""
+    for cache in CACHES:
+        (cache.cache_clear if hasattr(cache, "cache_clear") else cache.clear)()
 
 
 def config_json(scenario: Scenario) -> str:
@@ -58,24 +68,43 @@ def _model_config(text: str, dtype: str, max_model_len: int, platform: type) -> 
     )  # fmt: skip
 
 
+CACHES.append(_model_config)
+
+
 def vllm_config(scenario: Scenario, platform: type) -> Any:
     """The scenario's ``VllmConfig``; call it inside ``platform_scope(platform)``."""
-    from vllm.config import CacheConfig, DeviceConfig, ParallelConfig, VllmConfig
+    from vllm.config import CacheConfig, DeviceConfig, ParallelConfig, SchedulerConfig, VllmConfig
 
     model, rt = scenario.model, scenario.runtime
     assert model is not None
     if rt.num_speculative_tokens:
         raise UnsupportedByVllmError("speculative decoding needs a draft model; not built offline")
-    model_config = _model_config(config_json(scenario), model.dtype, rt.max_model_len, platform)
+    # A shallow copy per VllmConfig: the model's verify_and_update_config hooks (which also set
+    # cache_config.mamba_block_size) run once per ModelConfig object (``config_updated``).
+    model_config = copy.copy(_model_config(config_json(scenario), model.dtype, rt.max_model_len, platform))
+    model_config.config_updated = False
+    if rt.max_concurrent_batches not in (1, 2):
+        raise UnsupportedByVllmError(
+            f"max_concurrent_batches={rt.max_concurrent_batches}: vLLM derives it from async scheduling "
+            "(2) or pipeline parallelism, which the offline config does not model"
+        )
     align = rt.mamba_cache_mode == "align"
     cache = CacheConfig(
-        block_size=rt.block_size, cache_dtype=rt.kv_cache_dtype, mamba_cache_dtype=rt.mamba_cache_dtype,
-        mamba_ssm_cache_dtype=rt.mamba_ssm_cache_dtype,
+        # no --block-size: vLLM's default, then Phase 1 of update_block_size_for_backend
+        block_size=rt.block_size if rt.user_specified_block_size else None,
+        cache_dtype=rt.kv_cache_dtype, mamba_cache_dtype=rt.mamba_cache_dtype,
+        mamba_ssm_cache_dtype=rt.mamba_ssm_cache_dtype, num_gpu_blocks_override=rt.num_gpu_blocks_override,
         # vLLM 0.33 derives the mode from prefix caching (on: "align"); 0.32 reads the field.
         enable_prefix_caching=align, mamba_cache_mode=rt.mamba_cache_mode,
     )  # fmt: skip
+    scheduler = SchedulerConfig(
+        max_model_len=rt.max_model_len, is_encoder_decoder=False,
+        max_num_batched_tokens=rt.max_num_batched_tokens,
+        async_scheduling=rt.max_concurrent_batches == 2,  # max_concurrent_batches: 2 with async scheduling
+    )  # fmt: skip
     config = VllmConfig(
-        model_config=model_config, cache_config=cache, device_config=DeviceConfig(device="cpu"),
+        model_config=model_config, cache_config=cache, scheduler_config=scheduler,
+        device_config=DeviceConfig(device="cpu"),
         parallel_config=ParallelConfig(tensor_parallel_size=rt.tensor_parallel_size),
     )  # fmt: skip
     if getattr(model_config.hf_config, "kvconform_substitutes", None) in QWEN35:

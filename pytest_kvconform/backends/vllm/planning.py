@@ -3,26 +3,36 @@
 vLLM code (``P`` = ``vllm/v1/core/kv_cache_planning.py`` in 0.33, ``kv_cache_utils.py``
 before): ``unify_kv_cache_spec_page_size``, ``get_kv_cache_groups`` (0.33:
 ``get_global_kv_cache_groups``), ``_get_kv_cache_bytes_per_block``, ``get_kv_cache_configs``
-with its ``_check_enough_kv_cache_memory``, ``_max_memory_usage_bytes_from_groups``,
-``_pool_bytes_per_block`` (0.33: ``_pool_bytes_per_block_from_builder``),
-``_estimate_max_model_len_from_groups`` (all ``P``), ``get_max_concurrency_for_kv_cache_config``
-(``kv_cache_utils.py``) and ``resolve_kv_cache_layout`` (v1/attention/backends/utils.py).
-The release-specific calling conventions live in ``api_032`` / ``api_033``.
+and the admission check it runs, ``_check_enough_kv_cache_memory``, ``_pool_bytes_per_block``
+(0.33: ``_pool_bytes_per_block_from_builder``), ``_estimate_max_model_len_from_groups`` (all
+``P``), ``get_max_concurrency_for_kv_cache_config`` (``kv_cache_utils.py``) and
+``resolve_kv_cache_layout`` (v1/attention/backends/utils.py). The release-specific calling
+conventions live in ``api_032`` / ``api_033``.
+
+Each function takes the ``VllmConfig`` to plan with and vLLM's own spec objects: the
+scenario's real config and the specs its model's layers reported (end to end), or, for a
+per-rule check on the reference's specs, :func:`~.config_view.spec_level_config` and the
+converted specs (:func:`neutral_inputs`).
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Mapping
-from dataclasses import dataclass
+import contextlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from ...model import KVCacheGroup, MemoryCheck
 from ...reference.specs import KVCacheSpec
 from ...scenario import RuntimeSettings
-from .config_view import VllmConfigView, spec_level_config
+from .config_view import spec_level_config
 from .runtime import UnsupportedByVllmError, vllm_runtime
 from .specs import from_vllm_spec, spec_kind, to_vllm_spec
+
+
+def neutral_inputs(specs: Mapping[str, KVCacheSpec], rt: RuntimeSettings) -> tuple[Any, dict[str, Any]]:
+    """The spec-level config for ``rt`` and ``specs`` as vLLM spec objects."""
+    return spec_level_config(rt), {name: to_vllm_spec(s) for name, s in specs.items()}
 
 
 def unify_page_sizes(specs: Mapping[str, KVCacheSpec]) -> dict[str, KVCacheSpec]:
@@ -33,7 +43,7 @@ def unify_page_sizes(specs: Mapping[str, KVCacheSpec]) -> dict[str, KVCacheSpec]
     return {name: from_vllm_spec(v, specs[name]) for name, v in unified.items()}
 
 
-def _resolve_layout(config: VllmConfigView, vllm_specs: Mapping[str, Any]) -> None:
+def _resolve_layout(config: Any, vllm_specs: Mapping[str, Any]) -> None:
     """``resolve_kv_cache_layout`` with the default layout preference (no backend declares one)."""
     from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
 
@@ -41,23 +51,22 @@ def _resolve_layout(config: VllmConfigView, vllm_specs: Mapping[str, Any]) -> No
     resolve_kv_cache_layout(config, [names], list(vllm_specs.values()))
 
 
-def _groups(config: VllmConfigView, vllm_specs: Mapping[str, Any]) -> list[Any]:
+def _groups(config: Any, vllm_specs: Mapping[str, Any]) -> list[Any]:
     _resolve_layout(config, vllm_specs)
     return vllm_runtime().planning.groups(config, vllm_specs)
 
 
-def _group_blocks_per_request(config: VllmConfigView, spec: Any) -> int:
+def _group_blocks_per_request(config: Any, spec: Any) -> int:
     """Blocks one request needs in a group, as ``_max_memory_usage_bytes_from_groups`` counts them."""
     if spec_kind(spec) == "uniform_type":
         return int(spec.max_memory_usage_pages(config))
     return -(-int(spec.max_memory_usage_bytes(config)) // int(spec.page_size_bytes))
 
 
-def kv_cache_groups(specs: Mapping[str, KVCacheSpec], rt: RuntimeSettings) -> list[KVCacheGroup]:
+def kv_cache_groups(config: Any, vllm_specs: Mapping[str, Any]) -> list[KVCacheGroup]:
     """vLLM's KV cache groups, as neutral groups; a group's ``bytes_per_block`` is
     ``_get_kv_cache_bytes_per_block([group], layout)``."""
-    config = spec_level_config(rt)
-    groups = _groups(config, {name: to_vllm_spec(s) for name, s in specs.items()})
+    groups = _groups(config, vllm_specs)
     layout = config.cache_config.get_resolved_kv_cache_layout()
     bytes_per_block = vllm_runtime().fn("_get_kv_cache_bytes_per_block")
     return [
@@ -73,62 +82,70 @@ def kv_cache_groups(specs: Mapping[str, KVCacheSpec], rt: RuntimeSettings) -> li
     ]
 
 
-@dataclass(frozen=True)
-class PoolPlan:
-    """One worker's planned pool: the memory check and vLLM's max concurrency."""
+@dataclass
+class _AdmissionSeen:
+    """What ``_check_enough_kv_cache_memory`` was called with, and what it said."""
 
-    memory: MemoryCheck
-    max_concurrency: float  # 0.0 when no KVCacheConfig could be planned
+    calls: list[tuple[int, int, int, str]] = field(default_factory=list)  # available, needed, estimate, text
 
 
-def plan_pool(specs: Mapping[str, KVCacheSpec], rt: RuntimeSettings) -> PoolPlan:
-    """``get_kv_cache_configs`` for one worker, with the pieces :class:`MemoryCheck` reports."""
-    api = vllm_runtime().planning
-    config = spec_level_config(rt)
-    vllm_specs = {name: to_vllm_spec(s) for name, s in specs.items()}
+@contextlib.contextmanager
+def _watch_admission() -> Iterator[_AdmissionSeen]:
+    """Record vLLM's own admission check inside ``get_kv_cache_configs`` (its available bytes,
+    needed bytes, estimate and error text) and let the planning go on to the ``KVCacheConfig``."""
+    import importlib
+
+    rt = vllm_runtime()
+    module = importlib.import_module(rt.locations["get_kv_cache_configs"])
+    original = module._check_enough_kv_cache_memory
+    seen = _AdmissionSeen()
+
+    def check(available: int, get_needed: Any, max_model_len: int, estimate: Any) -> None:
+        needed = int(get_needed())  # vLLM asks only when memory is left; the plan reports it anyway
+        length = int(estimate(available)) if available > 0 else 0
+        try:
+            original(available, lambda: needed, max_model_len, lambda _: length)
+            text = "ok"
+        except ValueError as exc:
+            text = str(exc)
+        seen.calls.append((int(available), needed, length, text))
+
+    module._check_enough_kv_cache_memory = check
+    try:
+        yield seen
+    finally:
+        module._check_enough_kv_cache_memory = original
+
+
+def check_memory(config: Any, vllm_specs: Mapping[str, Any], available_memory: int) -> MemoryCheck:
+    """``get_kv_cache_configs`` for one worker with ``available_memory`` bytes, as vLLM plans it:
+    the bytes per block (``_pool_bytes_per_block``), and from its own admission check the bytes
+    it sees, the bytes needed, the estimate and the text (``"ok"`` or the exact ``ValueError``
+    message); ``num_blocks`` and the max concurrency of the ``KVCacheConfig`` it returns."""
+    api, rt = vllm_runtime().planning, vllm_runtime()
     groups = _groups(config, vllm_specs)
     if not groups:
         raise UnsupportedByVllmError("no KV cache groups (attention-free): nothing to plan")
     bpb = api.pool_bytes_per_block(config, groups)
-    # get_kv_cache_configs replaces the memory by override * bytes_per_block, then reserves
-    # the null block for the check; this is the value its admission check sees.
-    available = (
-        rt.kv_cache_memory_bytes if rt.num_gpu_blocks_override is None else rt.num_gpu_blocks_override * bpb
-    )
-    check = available - bpb
-    needed = api.max_memory_usage_bytes(config, groups)
-    estimate = api.estimate_max_model_len(config, groups, check) if check > 0 else 0
-    try:
-        kv_config = api.kv_cache_config(config, vllm_specs, rt.kv_cache_memory_bytes)
-        admission = "ok"
-    except ValueError as exc:
-        admission = str(exc)
-        # num_blocks does not depend on max_model_len: plan again at one token to read it.
-        short = spec_level_config(dataclasses.replace(rt, max_model_len=1))
+    with _watch_admission() as seen:
         try:
-            kv_config = api.kv_cache_config(short, vllm_specs, rt.kv_cache_memory_bytes)
+            kv_config = api.kv_cache_config(config, vllm_specs, available_memory)
         except ValueError:
-            kv_config = None  # "No available memory": not even one block beyond the null block
+            kv_config = None  # "No available memory": not one block beyond the null block
+    if len(seen.calls) != 1:
+        raise UnsupportedByVllmError(f"vLLM ran its admission check {len(seen.calls)} times for one worker")
+    available, needed, estimate, admission = seen.calls[0]
     if kv_config is None:
-        num_blocks, concurrency = available // bpb, 0.0
+        num_blocks, concurrency = (available + bpb) // bpb, 0.0
     else:
         num_blocks = int(kv_config.num_blocks)
-        concurrency = float(vllm_runtime().fn("get_max_concurrency_for_kv_cache_config")(config, kv_config))
-    memory = MemoryCheck(
-        bytes_per_block=bpb, num_blocks=num_blocks, needed_bytes=needed, available_bytes=check,
-        admission=admission, max_model_len_estimate=estimate,
+        concurrency = float(rt.fn("get_max_concurrency_for_kv_cache_config")(config, kv_config))
+    return MemoryCheck(
+        bytes_per_block=bpb, num_blocks=num_blocks, needed_bytes=needed, available_bytes=available,
+        admission=admission, max_model_len_estimate=estimate, max_concurrency=concurrency,
     )  # fmt: skip
-    return PoolPlan(memory, concurrency)
 
 
-def check_memory(specs: Mapping[str, KVCacheSpec], rt: RuntimeSettings) -> MemoryCheck:
-    """Plan one worker's pool with ``get_kv_cache_configs`` and record its admission check:
-    ``admission`` is ``"ok"`` or the exact ``ValueError`` text of ``_check_enough_kv_cache_memory``."""
-    return plan_pool(specs, rt).memory
-
-
-def estimate_max_model_len(specs: Mapping[str, KVCacheSpec], rt: RuntimeSettings, available: int) -> int:
+def estimate_max_model_len(config: Any, vllm_specs: Mapping[str, Any], available: int) -> int:
     """``_estimate_max_model_len_from_groups`` for ``available`` bytes (0: not one token fits)."""
-    config = spec_level_config(rt)
-    groups = _groups(config, {name: to_vllm_spec(s) for name, s in specs.items()})
-    return vllm_runtime().planning.estimate_max_model_len(config, groups, available)
+    return vllm_runtime().planning.estimate_max_model_len(config, _groups(config, vllm_specs), available)

@@ -91,29 +91,62 @@ def diff(hook: str, before: dict[str, Any], after: dict[str, Any]) -> list[HookC
 
 
 @functools.cache
-def neutral_platform() -> type:
-    """vLLM core's ``Platform`` interface, as a concrete class for offline sizing."""
+def neutral_platform(kernel_block_alignment: int = 16) -> type:
+    """vLLM core's ``Platform`` interface, as a concrete class for offline sizing.
+
+    Its attention backends are vLLM's own (:mod:`.attention`) at the scenario's kernel block
+    alignment; one class per alignment.
+    """
     from vllm.platforms.interface import Platform, PlatformEnum
 
-    class NeutralPlatform(Platform):
-        """``Platform``'s own config hooks; tensors on the CPU (the adapter builds on ``meta``)."""
+    from .attention import base_for, qualname
 
-        _enum = PlatformEnum.UNSPECIFIED
+    class NeutralPlatform(Platform):
+        """``Platform``'s own config hooks. Its enum is CPU only so that the layers pick kernels
+        this CPU build of vLLM has (MoE experts, GDN ops): a kernel sizes no cache, and the CPU
+        platform's config hooks, which do, are not run. Tensors live on ``meta``."""
+
+        _enum = PlatformEnum.CPU
         device_name = "kvconform-neutral"
         device_type = "cpu"
         dispatch_key = "CPU"
+        kvconform_neutral = True
+        kernel_block_alignment = 16
 
         @classmethod
         def support_hybrid_kv_cache(cls) -> bool:
             return True  # the hybrid KV cache manager of the GPU engine
 
         @classmethod
+        def get_mla_prefill_backend_cls(cls, mla_selector_config: Any) -> Any:
+            """The CPU build's MLA prefill kernel (``Platform``'s default is FlashAttention's)."""
+            from vllm.platforms.cpu import CpuPlatform
+
+            return CpuPlatform.get_mla_prefill_backend_cls(mla_selector_config)
+
+        @classmethod
+        def num_compute_units(cls, device_id: int = 0) -> int:
+            return 1  # read by kernel impls at construction; sizes nothing
+
+        @classmethod
         def import_kernels(cls) -> None:
             """Sizing runs no kernel (the host platform loaded its own, :mod:`.runtime`)."""
 
+        @classmethod
+        def get_attn_backend_cls(
+            cls, selected_backend: Any, attn_selector_config: Any, num_heads: Any = None
+        ) -> str:
+            base = base_for(attn_selector_config.kv_cache_dtype, attn_selector_config.use_mla)
+            return qualname(base, cls.kernel_block_alignment)
+
     NeutralPlatform.__module__ = __name__
     NeutralPlatform.__qualname__ = "NeutralPlatform"
+    NeutralPlatform.kernel_block_alignment = kernel_block_alignment
     return NeutralPlatform
+
+
+def is_neutral(platform: type) -> bool:
+    return bool(getattr(platform, "kvconform_neutral", False))
 
 
 def resolve_platform(platform: type | str | None) -> type:
@@ -140,7 +173,9 @@ def platform_name(platform: type | str | None) -> str:
     return str(platform)
 
 
-_HOOKS = ("check_and_update_config", "update_block_size_for_backend")
+#: The hook whose changes are departures: ``update_block_size_for_backend`` changes the block size
+#: by the sizing rules themselves, which the suites compare with the reference.
+_HOOKS = ("check_and_update_config",)
 
 
 @functools.cache

@@ -10,6 +10,7 @@ release's calling convention (``api_033`` or ``api_032``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import os
@@ -115,9 +116,20 @@ def _import_vllm() -> VllmRuntime:
         from vllm.v1 import kv_cache_interface
     except ImportError as exc:
         raise VllmUnavailableError(f"vLLM is not installed: {INSTALL_HINT} ({exc!r})") from exc
-    # The host platform loads its kernels now (vLLM's CPU platform picks the build matching the
-    # CPU), so that no later scope with another platform class is the first to import them.
-    import vllm._custom_ops
+    # Each of these modules calls current_platform.import_kernels() when first imported. They are
+    # imported now, under the host platform (vLLM's CPU platform picks the build matching the CPU;
+    # the AVX-512 one dies with SIGILL on an AVX2 host), so that no later import happens inside a
+    # platform scope or with faked CPU probes.
+    for module_name in ("vllm._custom_ops", "vllm.kernels.vllm_c", "vllm.kernels.aiter_ops"):
+        with contextlib.suppress(ImportError):
+            importlib.import_module(module_name)
+    # TurboQuant's attention impl probes for ROCm gfx950 FlyDSL kernels by importing
+    # vllm.platforms.rocm, which loads vllm._C: a second kernel library that aborts a CPU process
+    # ("Only a single TORCH_LIBRARY can be used to register the namespace _C"). Answer the probe.
+    with contextlib.suppress(ImportError):
+        from vllm.v1.attention.ops import flydsl_turboquant_decode
+
+        flydsl_turboquant_decode._FLYDSL_AVAILABLE = False
 
     functions: dict[str, Callable[..., Any]] = {}
     locations: dict[str, str] = {}

@@ -142,7 +142,7 @@ def mla_layer_spec(
 
     layer = _MLALayerStandIn(kv_cache_dtype=kv_cache_dtype, head_size=head_size)
     config = VllmConfigView(
-        base_config(RuntimeSettings(block_size=block_size)),
+        base_config(RuntimeSettings(block_size=block_size, user_specified_block_size=True)),
         ModelConfigStandIn(max_model_len=1, dtype=torch_dtype(model_dtype)),
         max_concurrent_batches=1,
     )

@@ -1,0 +1,75 @@
+"""The attention backends the neutral platform selects: vLLM's own, at the scenario's kernel block.
+
+A scenario's ``kernel_block_alignment`` is the smallest kernel block of the model's attention
+backend (``get_supported_kernel_block_sizes``; FlashAttention and Triton declare
+``MultipleOf(16)``). The neutral platform's ``get_attn_backend_cls`` answers with a subclass of
+the vLLM backend that serves the layer (Triton attention, the common MLA backend, TurboQuant for
+``turboquant_*``) whose only change is its kernel block sizes, ``[MultipleOf(alignment)]``
+(``supports_block_size`` accordingly): its ``customize_spec``, impl and name stay vLLM's. vLLM resolves the
+answer by qualified name, so the subclasses are attributes of this module, made on first use:
+``pytest_kvconform.backends.vllm.attention.TRITON_ATTN__16``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from .runtime import UnsupportedByVllmError
+
+#: base name -> the vLLM backend class it subclasses
+BASES = {
+    "TRITON_ATTN": "vllm.v1.attention.backends.triton_attn:TritonAttentionBackend",
+    # Triton MLA's impl imports FlashAttention helpers a CPU build lacks; the CPU MLA backend
+    # shares MLACommonBackend's customize_spec, and its kernel sizes are replaced below anyway.
+    "CPU_MLA": "vllm.v1.attention.backends.mla.cpu_mla:CPUMLABackend",
+    "TURBOQUANT": "vllm.v1.attention.backends.turboquant_attn:TurboQuantAttentionBackend",
+}
+
+
+def base_for(kv_cache_dtype: str | None, use_mla: bool) -> str:
+    """Which of vLLM's backends serves a layer, as the GPU engine's selection would for sizing."""
+    dtype = kv_cache_dtype or "auto"
+    if use_mla:
+        return "CPU_MLA"
+    if dtype.startswith("turboquant_"):
+        return "TURBOQUANT"
+    if dtype in ("nvfp4", "nvfp4_4over6"):
+        raise UnsupportedByVllmError(f"{dtype} is packed by FlashInfer, which a CPU build of vLLM lacks")
+    if dtype == "ultraquant_4bit":
+        raise UnsupportedByVllmError("the UltraQuant backend imports Triton kernels, which a CPU build lacks")
+    return "TRITON_ATTN"
+
+
+def qualname(base: str, alignment: int) -> str:
+    return f"{__name__}.{base}__{alignment}"
+
+
+@functools.cache
+def aligned_backend(base: str, alignment: int) -> type:
+    """vLLM's ``base`` backend with ``MultipleOf(alignment)`` as its kernel block sizes."""
+    import importlib
+
+    from vllm.v1.attention.backend import MultipleOf
+
+    module_name, _, attr = BASES[base].partition(":")
+    parent = getattr(importlib.import_module(module_name), attr)
+
+    def sizes(kv_cache_spec: Any = None) -> list[Any]:
+        return [MultipleOf(alignment)]
+
+    def supports(cls: type, block_size: int | None) -> bool:
+        return block_size is None or block_size % alignment == 0
+
+    cls = type(f"{base}__{alignment}", (parent,), {
+        "get_supported_kernel_block_sizes": staticmethod(sizes), "supports_block_size": classmethod(supports),
+    })  # fmt: skip
+    cls.__module__ = __name__
+    return cls
+
+
+def __getattr__(name: str) -> Any:
+    base, sep, alignment = name.rpartition("__")
+    if sep and base in BASES and alignment.isdigit():
+        return aligned_backend(base, int(alignment))
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

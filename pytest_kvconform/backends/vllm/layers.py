@@ -1,0 +1,127 @@
+"""The specs the model's own layers report, on the model vLLM builds: no weights, ``meta`` tensors.
+
+The engine's order (vLLM 0.32/0.33): the ``VllmConfig`` runs the platform's
+``check_and_update_config``; the worker builds the model (every attention and Mamba layer
+registers itself in ``compilation_config.static_forward_context``); the platform's
+``update_block_size_for_backend`` runs its three phases over those layers' backends; then
+``GPUModelRunner.get_kv_cache_spec`` (vllm/v1/worker/gpu_model_runner.py) asks each layer for its
+``get_kv_cache_spec`` and the backend's ``customize_spec``. :func:`build_engine_specs` does exactly
+that, with the model class instantiated under ``torch.device("meta")`` (nothing is allocated)
+and a tensor-parallel group of the scenario's size on one process (layers read only its size).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from ...model import BlockChoice
+from ...scenario import Scenario
+from .offline import vllm_config
+from .runtime import LOCK, UnsupportedByVllmError, vllm_runtime
+
+
+@dataclass(frozen=True)
+class EngineSpecs:
+    """One scenario as the worker sees it after loading the model."""
+
+    config: Any  # the VllmConfig, after update_block_size_for_backend
+    specs: dict[str, Any]  # layer name -> vLLM KVCacheSpec (get_kv_cache_spec)
+    choice: BlockChoice
+    backends: tuple[type, ...]  # the distinct non-SSM attention backends, in layer order
+
+
+_DISTRIBUTED: list[str] = []
+
+
+def _ensure_distributed() -> None:
+    """A one-process gloo world with model parallel groups of size 1 (built once). It is built
+    under a config without a model, so that vLLM also creates the expert-parallel group MoE
+    layers ask for (``initialize_model_parallel`` skips it for a dense model)."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import parallel_state as ps
+
+    if _DISTRIBUTED:
+        return
+    init_file = Path(tempfile.mkdtemp(prefix="kvconform-dist-")) / "init"
+    if not ps.model_parallel_is_initialized():
+        with set_current_vllm_config(VllmConfig()):
+            ps.init_distributed_environment(
+                world_size=1, rank=0, local_rank=0, distributed_init_method=f"file://{init_file}",
+                backend="gloo",
+            )  # fmt: skip
+            ps.initialize_model_parallel(1, 1)
+    _DISTRIBUTED.append(str(init_file))
+
+
+@contextlib.contextmanager
+def parallel_groups(tensor_parallel_size: int, decode_context_parallel_size: int = 1) -> Iterator[None]:
+    """Layers built inside see a TP group of ``tensor_parallel_size`` (rank 0) and a DCP group of
+    ``decode_context_parallel_size``: sizing reads the group sizes only, nothing communicates."""
+    from vllm.distributed import parallel_state as ps
+
+    _ensure_distributed()
+    groups = [(ps.get_tp_group(), tensor_parallel_size)]
+    if hasattr(ps, "get_dcp_group"):
+        groups.append((ps.get_dcp_group(), decode_context_parallel_size))
+    saved = [(g, g.world_size, g.rank_in_group) for g, _ in groups]
+    try:
+        for group, size in groups:
+            group.world_size, group.rank_in_group = size, 0
+        yield
+    finally:
+        for group, size, rank in saved:
+            group.world_size, group.rank_in_group = size, rank
+
+
+def _model_class(config: Any) -> Any:
+    from vllm.model_executor.models import ModelRegistry
+
+    model_cls, _ = ModelRegistry.resolve_model_cls(
+        config.model_config.architecture, model_config=config.model_config
+    )
+    return model_cls
+
+
+def build_engine_specs(scenario: Scenario, platform: type) -> EngineSpecs:
+    """The model's layers on ``meta``, ``update_block_size_for_backend``, ``get_kv_cache_spec``.
+
+    Call inside ``platform_scope(platform)``. Pieces that cannot run offline raise
+    :class:`UnsupportedByVllmError` naming them.
+    """
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.platforms import current_platform
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    vllm_runtime()
+    rt = scenario.runtime
+    config = vllm_config(scenario, platform)
+    with LOCK, set_current_vllm_config(config), parallel_groups(rt.tensor_parallel_size):
+        try:
+            with torch.device("meta"):
+                _model_class(config)(vllm_config=config, prefix="")
+        except UnsupportedByVllmError:
+            raise
+        except Exception as exc:  # the model class itself cannot be built here
+            raise UnsupportedByVllmError(
+                f"{config.model_config.architecture} cannot be built on the meta device offline: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        platform_cls = type(current_platform)
+        backends = tuple(platform_cls._find_non_ssm_backends(config))
+        platform_cls.update_block_size_for_backend(config)
+        runner = SimpleNamespace(vllm_config=config, shared_kv_cache_layers={})
+        specs = GPUModelRunner.get_kv_cache_spec(runner)  # type: ignore[arg-type]
+    cache = config.cache_config
+    mamba_block = cache.mamba_block_size if cache.mamba_block_size is not None else rt.max_model_len
+    choice = BlockChoice(int(cache.block_size), int(mamba_block), cache.mamba_page_size_padded)
+    return EngineSpecs(config, dict(specs), choice, backends)
+
+
+__all__ = ["EngineSpecs", "build_engine_specs", "parallel_groups"]
