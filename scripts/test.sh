@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Run every test: the plugin's own tests and the conformance suites against the reference,
-# then the conformance suites against the bundled Metal runtime and against the installed vLLM.
+# then the conformance suites against the bundled Metal runtime, against the installed vLLM on
+# vLLM core's neutral platform, and against vLLM's CPU platform (its CPU probes answering as an
+# AVX-512 BF16 host, its departures kept as data in pytest_kvconform/xfails/).
 # Extra arguments go to the first run. Exits non-zero if any run fails.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -11,4 +13,8 @@ run() { echo "+ pytest $*"; "$PY" -m pytest -p no:cacheprovider --benchmark-disa
 run "$@"
 run suites --kvconform-backend=metal
 run suites --kvconform-backend=vllm --kvconform-max-examples=10
+run suites --ignore=suites/test_properties.py --kvconform-backend=vllm \
+    --kvconform-backend-option=platform=vllm.platforms.cpu:CpuPlatform \
+    --kvconform-backend-option=cpu_features=avx512_bf16 \
+    --kvconform-xfails=pytest_kvconform/xfails/vllm-cpu-platform.toml
 exit $status

@@ -92,9 +92,10 @@ OVERRIDES: dict[str, tuple[str, Callable[..., Any], str]] = {
     "kernel_block_size": (GRANITE, lambda self, block_size, scenario=None: 8, "kernel_block_size"),
 }  # fmt: skip
 
-#: Rule methods no plan field reads: a dtype table, the block-table layout and the allocation
-#: of an already planned pool (they have suites of their own).
-NOT_IN_A_PLAN = {"kv_cache_dtype_bytes", "build_block_tables", "allocate_kv_cache", "check_kv_cache_config"}
+#: Rule methods no plan field reads: a dtype table, the block-table layout, the allocation of an
+#: already planned pool and a vLLM platform's hook checks (they have suites of their own).
+NOT_IN_A_PLAN = {"kv_cache_dtype_bytes", "build_block_tables", "allocate_kv_cache", "check_kv_cache_config",
+                 "engine", "rerun_hooks"}  # fmt: skip
 
 
 def test_every_rule_method_is_covered() -> None:

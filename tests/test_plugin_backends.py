@@ -7,6 +7,7 @@ its backends by name, as a plugin's CI would.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -23,9 +24,12 @@ def toy(pytester: pytest.Pytester) -> pytest.Pytester:
     return pytester
 
 
-def run(pytester: pytest.Pytester, *args: str) -> tuple[pytest.RunResult, dict]:
+def run(pytester: pytest.Pytester, *args: str, subprocess: bool = False) -> tuple[pytest.RunResult, dict]:
+    """In-process by default; ``subprocess`` for runs that import vLLM (pytester restores
+    ``sys.modules`` after an in-process run, and torch's extensions cannot be imported twice)."""
     report = pytester.path / "report.json"
-    result = pytester.runpytest(*args, f"--kvconform-report={report}", "-p", "no:cacheprovider")
+    runner = pytester.runpytest_subprocess if subprocess else pytester.runpytest
+    result = runner(*args, f"--kvconform-report={report}", "-p", "no:cacheprovider")
     return result, json.loads(report.read_text())["rules"]
 
 
@@ -95,3 +99,24 @@ def test_allocation_family(toy: pytest.Pytester) -> None:
     result, rules = run(toy, ALLOCATION, "--kvconform-backend=toy-no-guard", "-k", "larger_than")
     assert rules["allocation"]["failed"] == 11
     result.stdout.fnmatch_lines(["*DID NOT RAISE*"])
+
+
+def test_a_plugin_platform_is_driven_through_the_vllm_backend(
+    toy: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A plugin's own Platform subclass (``kvtoy.platform.ToyPlatform``, via ``class
+    ToyVllm(VllmBackend): platform = ToyPlatform``): its hooks run end to end and the platform
+    suite catches its non-idempotent ``check_and_update_config``."""
+    if importlib.util.find_spec("vllm") is None:  # not imported here: pytester drops modules at teardown
+        pytest.skip("vLLM is not installed")
+    platform_suite = str(SUITES / "test_platform.py")
+    monkeypatch.setenv("PYTHONPATH", str(TOY))
+    result, rules = run(
+        toy, platform_suite, "--kvconform-backend=toy-vllm", "-k", "granite-4.0-h-tiny", subprocess=True
+    )
+    assert rules["platform"]["failed"] == 1 and rules["platform"]["passed"] == 3
+    result.stdout.fnmatch_lines([
+        "kvconform: backend=toy-vllm *vLLM platform rules: kvtoy.platform.ToyPlatform*",
+        "*ToyPlatform.check_and_update_config (second run) set cache_config.mamba_page_size_padded: "
+        "819200 -> 1638400*",
+    ])  # fmt: skip

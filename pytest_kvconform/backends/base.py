@@ -32,6 +32,7 @@ RULE_FAMILIES: dict[str, tuple[str, ...]] = {
     "kernel_block": ("kernel_block_size", "build_block_tables"),
     "allocation": ("allocate_kv_cache", "check_kv_cache_config"),
     "plan": ("plan",),
+    "platform": ("engine", "rerun_hooks"),
 }
 #: method name -> its rule family
 METHOD_FAMILY: dict[str, str] = {m: family for family, methods in RULE_FAMILIES.items() for m in methods}
@@ -58,7 +59,8 @@ class ReferenceBackend(ReferenceRules):
     """
 
     name: ClassVar[str] = "reference"
-    #: Features beyond sizing arithmetic, for ``requires_capability``: "allocation", "paged_attention".
+    #: Features beyond sizing arithmetic, for ``kvconform_requires``: "allocation",
+    #: "paged_attention", "vllm_platform" (a vLLM Platform whose hooks the platform suite checks).
     capabilities: ClassVar[frozenset[str]] = frozenset()
     #: Rule family -> why this backend does not provide it (its tests skip with the reason).
     not_provided: ClassVar[Mapping[str, str]] = {}

