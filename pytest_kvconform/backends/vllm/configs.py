@@ -150,6 +150,30 @@ def deepseek_mla(scenario: Scenario, common: dict[str, Any]) -> dict[str, Any]:
     }  # fmt: skip
 
 
+@writer("GlmMoeDsaForCausalLM", "DeepseekV32ForCausalLM")
+def deepseek_sparse_mla(scenario: Scenario, common: dict[str, Any]) -> dict[str, Any]:
+    """MLA with the DSA lightning indexer (``index_head_dim``, ``index_n_heads``, ``index_topk``;
+    configuration_glm_moe_dsa / vLLM's deepseek_v32 model)."""
+    model = scenario.model
+    assert model is not None and model.attention is not None
+    attn = model.attention
+    _dense_only(model)
+    if attn.kind != "mla" or not attn.indexer_head_dim or attn.indexer_layers is not None:
+        raise UnsupportedByVllmError(f"{model.architecture}: MLA with an indexer on every layer")
+    model_type = {"GlmMoeDsaForCausalLM": "glm_moe_dsa", "DeepseekV32ForCausalLM": "deepseek_v32"}[
+        model.architecture
+    ]
+    rope = attn.qk_rope_head_dim
+    return {
+        **common, "model_type": model_type, "hidden_size": 1024, "num_attention_heads": 8,
+        "num_key_value_heads": 8, "kv_lora_rank": attn.kv_lora_rank, "qk_rope_head_dim": rope,
+        "qk_nope_head_dim": rope + 64, "v_head_dim": 128, "q_lora_rank": 512, "n_routed_experts": 4,
+        "num_experts_per_tok": 2, "n_shared_experts": 1, "first_k_dense_replace": 1,
+        "moe_intermediate_size": 64, "index_head_dim": attn.indexer_head_dim, "index_n_heads": 4,
+        "index_topk": 64,
+    }  # fmt: skip
+
+
 @writer("Gemma3ForCausalLM")
 def gemma3(scenario: Scenario, common: dict[str, Any]) -> dict[str, Any]:
     """``layer_types`` of sliding_attention/full_attention and ``sliding_window``
