@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections import Counter
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -24,8 +25,12 @@ __all__ = [
     "RULE_FAMILIES",
     "Difference",
     "RuleNotApplicable",
+    "assert_same",
+    "assert_same_layers",
     "call_rule",
     "check_scenario",
+    "departure",
+    "discard",
     "first_difference",
     "known_failure",
     "layer_spec_difference",
@@ -33,6 +38,24 @@ __all__ = [
     "plan_with_trace",
     "skip_if_not_provided",
 ]
+
+
+#: reason -> generated inputs the running property test discarded (read by the plugin per test)
+DISCARDED: Counter[str] = Counter()
+
+
+#: generated inputs the running property test compared (both answered, or both rejected)
+COMPARED: Counter[str] = Counter()
+
+
+def discard(reason: str) -> None:
+    """Count one generated input the backend cannot model, then let hypothesis reject it."""
+    DISCARDED[reason] += 1
+
+
+def compared(what: str = "example") -> None:
+    """Count one generated input that reached the comparison."""
+    COMPARED[what] += 1
 
 
 def skip_if_not_provided(backend: Any, rule: str) -> None:
@@ -131,12 +154,44 @@ def spec_fields(spec: Any) -> dict[str, Any]:
             "bytes_per_token": spec.bytes_per_token, **pages}  # fmt: skip
 
 
-def first_difference(expected: Mapping[str, Any], got: Mapping[str, Any]) -> tuple[str, Any, Any] | None:
-    """The first key (in ``expected``'s order, then ``got``'s extra keys) whose values differ."""
-    for key in [*expected, *(k for k in got if k not in expected)]:
-        if expected.get(key, _MISSING) != got.get(key, _MISSING):
-            return key, expected.get(key, _MISSING), got.get(key, _MISSING)
-    return None
+def first_difference(expected: Any, got: Any, path: str = "") -> tuple[str, Any, Any] | None:
+    """The first place where ``got`` departs from ``expected``, as ``(path, expected, got)``:
+    mappings key by key (``expected``'s order, then ``got``'s extra keys), dataclasses field by
+    field, sequences item by item (``[i]``), anything else by ``==``; None when equal."""
+    if dataclasses.is_dataclass(expected) and dataclasses.is_dataclass(got):
+        expected, got = vars(expected), vars(got)
+    if isinstance(expected, Mapping) and isinstance(got, Mapping):
+        for key in [*expected, *(k for k in got if k not in expected)]:
+            a, b = expected.get(key, _MISSING), got.get(key, _MISSING)
+            diff = first_difference(a, b, f"{path}.{key}" if path else str(key))
+            if diff is not None:
+                return diff
+        return None
+    if isinstance(expected, list | tuple) and isinstance(got, list | tuple) and len(expected) == len(got):
+        for i, (a, b) in enumerate(zip(expected, got, strict=True)):
+            diff = first_difference(a, b, f"{path}[{i}]")
+            if diff is not None:
+                return diff
+        return None
+    return None if expected == got else (path or "value", expected, got)
+
+
+def departure(rule: str, backend: Any, scenario: Scenario | None, expected: Any, got: Any) -> str | None:
+    """None when ``got`` equals ``expected``, else one line naming the rule, the backend, the
+    scenario and the first differing field with both values."""
+    diff = first_difference(expected, got)
+    if diff is None:
+        return None
+    where = f" on scenario {scenario.name!r} ({scenario.source})" if scenario is not None else ""
+    return f"[{rule}] backend {backend.name!r}{where}: {diff[0]}: reference {diff[1]!r}, backend {diff[2]!r}"
+
+
+def assert_same(rule: str, backend: Any, scenario: Scenario | None, expected: Any, got: Any) -> None:
+    """Fail the test with :func:`departure`'s line when ``got`` departs from ``expected``."""
+    __tracebackhide__ = True  # the test's line, and hypothesis's counterexample note, stay shown
+    message = departure(rule, backend, scenario, expected, got)
+    if message is not None:
+        pytest.fail(message)
 
 
 class _Missing:
@@ -160,6 +215,17 @@ def layer_spec_difference(expected: Mapping[str, Any], got: Mapping[str, Any]) -
         if diff is not None:
             return f"layer {key[0]} ({key[1]}): {diff[0]}: reference {diff[1]!r}, backend {diff[2]!r}"
     return None
+
+
+def assert_same_layers(
+    backend: Any, scenario: Scenario, expected: Mapping[str, Any], got: Mapping[str, Any]
+) -> None:
+    """:func:`layer_spec_difference` as a failure naming the backend and the scenario."""
+    __tracebackhide__ = True
+    difference = layer_spec_difference(expected, got)
+    if difference is not None:
+        where = f"on scenario {scenario.name!r} ({scenario.source})"
+        pytest.fail(f"[layer_specs] backend {backend.name!r} {where}: {difference}")
 
 
 def known_failure(backend: Any, item: pytest.Item, extra: Mapping[str, str] | None = None) -> str | None:
@@ -210,8 +276,11 @@ def load_xfails(path: Path, backend_name: str) -> dict[str, str]:
             raise ValueError(f"{path}: xfail[{i}]: {', '.join(missing)} missing or not a string")
         if entry["rule"] not in RULE_FAMILIES:
             raise ValueError(f"{path}: xfail[{i}].rule: expected one of {', '.join(RULE_FAMILIES)}")
+        key = f"{entry['rule']}::{entry['test']}"
         if entry.get("backend", backend_name) == backend_name:
-            out[f"{entry['rule']}::{entry['test']}"] = entry["reason"]
+            if key in out:
+                raise ValueError(f"{path}: xfail[{i}]: a second entry for {entry['test']!r}")
+            out[key] = entry["reason"]
     return out
 
 

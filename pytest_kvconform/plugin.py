@@ -14,6 +14,10 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+# The shipped suites compare through these helpers: rewrite their asserts, so that a failing
+# golden shows syrupy's diff and a failing comparison its values.
+pytest.register_assert_rewrite("pytest_kvconform.regressions", "pytest_kvconform.conformance")
+
 if TYPE_CHECKING:
     from .scenario import Scenario
 
@@ -27,7 +31,8 @@ MARKERS = {
 
 
 class KVConformSession:
-    """Per-session state, kept in ``config.stash`` (as syrupy and pytest-benchmark do)."""
+    """Per-session state, kept in ``config.stash`` under :data:`session_key` and registered as a
+    plugin for the report hooks."""
 
     def __init__(self, config: pytest.Config) -> None:
         self.backend_name, self.backend_origin = _selected_backend(config)
@@ -36,8 +41,13 @@ class KVConformSession:
             *config.getoption("kvconform_backend_option"),
         ]
         self._backend: Any = None
+        self._inherited: dict[str, bool] = {}
         self._scenarios: list[Scenario] | None = None
         self.matrix: dict[str, Counter[str]] = defaultdict(Counter)
+        #: one record per conformance test: nodeid, rule, scenario, outcome, message
+        self.records: list[dict[str, str]] = []
+        self.strict = bool(config.getoption("kvconform_strict"))
+        self.strict_failure = ""
         #: "family.method: reference (why)" -> plans in which the reference answered that step
         self.reference_steps: Counter[str] = Counter()
         self.xfails_path = config.getoption("kvconform_xfails")
@@ -58,7 +68,36 @@ class KVConformSession:
                 outcome = "xfailed" if report.skipped else "failed"  # an XPASS(strict) fails
             else:
                 outcome = report.outcome
+            if outcome == "passed" and properties.get("kvconform_inherited"):
+                outcome = "inherited"  # the backend answered with the reference's own code
             self.matrix[str(rule)][outcome] += 1
+            self.matrix[str(rule)]["generated"] += int(properties.get("kvconform_generated", 0))
+            self.matrix[str(rule)]["discarded"] += int(properties.get("kvconform_discarded", 0))
+            scenario = str(properties.get("kvconform_scenario", ""))
+            self.records.append({
+                "test": report.nodeid, "rule": str(rule), "scenario": scenario, "outcome": outcome,
+                "message": _outcome_message(report),
+            })  # fmt: skip
+
+    def inherited(self, rule: str) -> bool:
+        """Whether the backend answers ``rule`` with the reference's own code (it overrides none of
+        the family's methods; for ``plan``, none at all)."""
+        if rule not in self._inherited:
+            from .backends.base import RULE_FAMILIES, ReferenceBackend
+            from .reference.plan import overrides
+
+            backend = self.backend
+            methods = (
+                [m for ms in RULE_FAMILIES.values() for m in ms] if rule == "plan" else RULE_FAMILIES[rule]
+            )
+            is_reference = type(backend) is ReferenceBackend  # the oracle itself inherits nothing
+            self._inherited[rule] = not is_reference and not any(overrides(backend, m) for m in methods)
+        return self._inherited[rule]
+
+    def undeclared_inherited(self) -> list[str]:
+        """Families reported inherited that the backend does not declare in ``inherits``."""
+        declared = getattr(self.backend, "inherits", {})
+        return [rule for rule, counts in self.matrix.items() if counts["inherited"] and rule not in declared]
 
     @property
     def explicit(self) -> bool:
@@ -145,6 +184,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=None,
         metavar="PATH",
         help="TOML file of known failures ([[xfail]] backend/rule/test/reason), run as strict xfails",
+    )
+    group.addoption(
+        "--kvconform-strict",
+        action="store_true",
+        default=False,
+        help="fail the run when a rule family is inherited (answered by the reference's own code) "
+        "and the backend does not declare it in `inherits`",
     )
     group.addoption(
         "--kvconform-report",
@@ -234,14 +280,6 @@ def kv_scenario(request: pytest.FixtureRequest) -> Scenario:
     return request.param
 
 
-@pytest.fixture
-def kv_plan(kv_backend: Any, kv_scenario: Scenario) -> Any:
-    """The backend's KVPlan for ``kv_scenario``."""
-    from .conformance import call_rule
-
-    return call_rule(kv_backend, "plan", "plan", kv_scenario, scenario=kv_scenario)
-
-
 @pytest.fixture(scope="session")
 def metal_runtime() -> Any:
     """The MLX paged-attention runtime (:mod:`pytest_kvconform.metal_runtime`); skips without mlx."""
@@ -308,12 +346,62 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Any:
+    from . import conformance
+
+    conformance.DISCARDED.clear()
+    conformance.COMPARED.clear()
+    try:
+        return (yield)
+    finally:
+        item.stash[_generated_key] = (sum(conformance.COMPARED.values()), sum(conformance.DISCARDED.values()))
+
+
+#: (generated inputs compared, generated inputs discarded) of a property test
+_generated_key = pytest.StashKey[tuple[int, int]]()
+
+
+@pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
     report = yield
     rule = item.get_closest_marker("kvconform_rule")
     if rule is not None and rule.args:
+        session = _session(item.config)
         report.user_properties.append(("kvconform_rule", rule.args[0]))
+        if session.inherited(rule.args[0]):
+            report.user_properties.append(("kvconform_inherited", True))
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if "kv_scenario" in params:
+            report.user_properties.append(("kvconform_scenario", _scenario_id(params["kv_scenario"])))
+        generated, discarded = item.stash.get(_generated_key, (0, 0))
+        if call.when == "call" and (generated or discarded):
+            report.user_properties.extend(
+                [("kvconform_generated", generated), ("kvconform_discarded", discarded)]
+            )
     return report
+
+
+def _outcome_message(report: pytest.TestReport) -> str:
+    """One line saying why: the failure's message, the skip or xfail reason ("" when passed)."""
+    if hasattr(report, "wasxfail"):
+        return str(report.wasxfail)
+    if report.skipped and isinstance(report.longrepr, tuple):
+        return str(report.longrepr[2]).removeprefix("Skipped: ")
+    if report.failed:
+        crash = getattr(report.longrepr, "reprcrash", None)
+        text = crash.message if crash is not None else str(report.longrepr)
+        return text.splitlines()[0] if text else ""
+    return ""
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    kv = _session(session.config)
+    if kv.strict and not hasattr(session.config, "workerinput") and kv.matrix:
+        undeclared = kv.undeclared_inherited()
+        if undeclared and session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+            kv.strict_failure = f"--kvconform-strict: inherited and not declared: {', '.join(undeclared)}"
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
@@ -325,10 +413,18 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     terminalreporter.section(f"kvconform: backend {session.backend.name} vs reference")
     for line in format_matrix(session.matrix):
         terminalreporter.write_line(line)
+    declared = getattr(session.backend, "inherits", {})
+    for rule in [r for r, counts in session.matrix.items() if counts["inherited"]]:
+        why = (
+            f"declared: {declared[rule]}" if rule in declared else "not declared in the backend's `inherits`"
+        )
+        terminalreporter.write_line(f"inherited {rule}: the backend runs the reference's code ({why})")
     if session.reference_steps:
         terminalreporter.write_line("plan steps the reference answered because the backend declined them:")
         for step, count in sorted(session.reference_steps.items()):
             terminalreporter.write_line(f"  {count:>4} plans  {step}")
+    if session.strict_failure:
+        terminalreporter.write_line(session.strict_failure, red=True)
     path = config.getoption("kvconform_report")
     if path:
         write_report(Path(path), session.backend, session.matrix)

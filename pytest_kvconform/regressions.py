@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from .conformance import call_rule
+from .conformance import call_rule, departure
 from .reference.plan import reference_rules
 from .scenario import Scenario, load_scenario
 
@@ -48,9 +48,12 @@ def assert_plan_matches_golden(backend: Any, reference: Any, golden: Any, scenar
     When the backend skips or raises, the golden is still checked against the reference, so a
     skip never leaves it unused (which would fail the run) and a changed reference still shows.
     """
+    expected = reference.plan(scenario).to_dict()
     try:
         got = backend_plan(backend, scenario).to_dict()
     except (pytest.skip.Exception, pytest.fail.Exception):
-        assert reference.plan(scenario).to_dict() == golden
+        assert expected == golden, f"the reference's plan of {scenario.name!r} no longer matches its golden"
         raise
-    assert got == golden
+    assert got == golden, (
+        departure("plan", backend, scenario, expected, got) or "the reference departs from its golden"
+    )

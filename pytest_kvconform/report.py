@@ -8,7 +8,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-OUTCOMES = ("passed", "failed", "skipped", "xfailed")
+#: test outcomes, then the generated (hypothesis) inputs compared and discarded
+OUTCOMES = ("passed", "inherited", "failed", "skipped", "xfailed", "generated", "discarded")
 
 
 def _rows(matrix: Mapping[str, Counter[str]]) -> list[tuple[str, list[int]]]:

@@ -24,22 +24,32 @@ HYBRID_ARCHITECTURES = {
     "kda": ("KimiLinearForCausalLM",),
     "short_conv": ("Lfm2ForCausalLM",),
 }
+#: Dense architectures: full-attention GQA, GQA with sliding-window layers, MLA.
+DENSE_ARCHITECTURES = {"gqa": ("LlamaForCausalLM", "Qwen3ForCausalLM"), "sliding": ("Gemma3ForCausalLM",),
+                       "mla": ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")}  # fmt: skip
+#: The hybrid layers of these families derive head_dim from their hidden size (which the state
+#: geometry fixes): the attention must split it into whole heads.
+_HEAD_DIM_FROM_HIDDEN = ("GraniteMoeHybridForCausalLM", "JambaForCausalLM", "Lfm2ForCausalLM")
+TENSOR_PARALLEL_SIZES = (1, 2, 4, 8)
 
 
-@st.composite
-def attention_tables(draw: st.DrawFn) -> dict[str, Any]:
-    if draw(st.booleans()):
-        return {"kind": "gqa", "num_kv_heads": draw(st.sampled_from([1, 2, 4, 8])),
-                "head_dim": draw(st.sampled_from([64, 128, 192, 256]))}  # fmt: skip
+def gqa_table(draw: st.DrawFn, hidden_size: int | None = None) -> dict[str, Any]:
+    """GQA geometry; with ``hidden_size``, one whose heads split it exactly."""
+    head_dim = draw(st.sampled_from([64, 128] if hidden_size else [64, 128, 192, 256]))
+    kv_heads = [k for k in (1, 2, 4, 8) if hidden_size is None or (hidden_size // head_dim) % k == 0]
+    return {"kind": "gqa", "num_kv_heads": draw(st.sampled_from(kv_heads)), "head_dim": head_dim}
+
+
+def mla_table(draw: st.DrawFn) -> dict[str, Any]:
     return {"kind": "mla", "kv_lora_rank": draw(st.sampled_from([256, 512])), "qk_rope_head_dim": 64}
 
 
 @st.composite
-def state_tables(draw: st.DrawFn) -> dict[str, Any]:
+def state_tables(draw: st.DrawFn, kind: str | None = None) -> dict[str, Any]:
     def one_of(*values: Any) -> Any:
         return draw(st.sampled_from(values))
 
-    kind = one_of("mamba1", "mamba2", "gdn", "kda", "short_conv")
+    kind = kind or one_of(*HYBRID_ARCHITECTURES)
     table: dict[str, Any] = {"kind": kind, "conv_kernel": one_of(2, 3, 4)}
     if kind == "mamba1":
         table.update(intermediate_size=one_of(1024, 2048, 4096), d_state=one_of(16, 64))
@@ -48,6 +58,7 @@ def state_tables(draw: st.DrawFn) -> dict[str, Any]:
             n_groups=one_of(1, 2, 8), n_heads=one_of(32, 48, 64, 128), head_dim=64, d_state=one_of(64, 128),
             ssm_dtype=one_of("auto", "float32"),
         )  # fmt: skip
+        table["intermediate_size"] = table["n_heads"] * table["head_dim"]  # a Mamba-2 mixer's
     elif kind == "gdn":
         table.update(
             num_key_heads=one_of(8, 16), num_value_heads=one_of(16, 32, 48), key_head_dim=128,
@@ -60,41 +71,63 @@ def state_tables(draw: st.DrawFn) -> dict[str, Any]:
     return table
 
 
+def _hidden_size(architecture: str, state: dict[str, Any]) -> int | None:
+    if architecture not in _HEAD_DIM_FROM_HIDDEN:
+        return None
+    if state["kind"] == "short_conv":
+        return int(state["conv_dim"])
+    return int(state["intermediate_size"]) // 2  # mamba_expand 2
+
+
 @st.composite
 def scenario_dicts(draw: st.DrawFn, hybrid: bool | None = None) -> dict[str, Any]:
-    """A valid model-level scenario as parsed TOML tables (attention-only or hybrid)."""
+    """A valid model-level scenario as parsed TOML tables: a real architecture with attention
+    geometry it can spell (dense GQA, GQA with sliding-window layers, MLA, or an attention + state
+    hybrid), served at a tensor-parallel size of 1, 2, 4 or 8, with or without speculative tokens,
+    a ``--block-size`` or vLLM's default, and a batch budget the sliding windows feel."""
     is_hybrid = draw(st.booleans()) if hybrid is None else hybrid
     n = draw(st.integers(2, 12))
-    attention = draw(attention_tables())
+    dtype = draw(st.sampled_from(["bfloat16", "float16"]))
+    state: dict[str, Any] | None = None
     if is_hybrid:
+        state = draw(state_tables())
+        architecture = draw(st.sampled_from(HYBRID_ARCHITECTURES[state["kind"]]))
+        attention = (
+            mla_table(draw) if state["kind"] == "kda" else gqa_table(draw, _hidden_size(architecture, state))
+        )
+        if architecture in ("GraniteMoeHybridForCausalLM", "Qwen3NextForCausalLM"):
+            state["ssm_dtype"] = "auto"  # their configs have no state-dtype field
         period = draw(st.integers(2, 4))
         layers = "".join("A" if (i + 1) % period == 0 else "M" for i in range(n))
         if "A" not in layers:
             layers = layers[:-1] + "A"
     else:
+        family = draw(st.sampled_from(sorted(DENSE_ARCHITECTURES)))
+        architecture = draw(st.sampled_from(DENSE_ARCHITECTURES[family]))
+        attention = mla_table(draw) if family == "mla" else gqa_table(draw)
         layers = "A" * n
-    dtype = draw(st.sampled_from(["bfloat16", "float16"]))
-    architecture = "DeepseekV2ForCausalLM" if attention["kind"] == "mla" else "LlamaForCausalLM"
+        if family == "sliding":  # Gemma 3's pattern: every k-th layer global, the others local
+            dtype = "bfloat16"  # vLLM refuses float16 for gemma3_text (numerical instability)
+            period = draw(st.integers(2, 6))
+            layers = "".join("A" if (i + 1) % period == 0 else "S" for i in range(n))
+            attention["sliding_window"] = draw(st.sampled_from([128, 512, 1024, 4096]))
     model = {"architecture": architecture, "dtype": dtype, "num_hidden_layers": n, "layers": layers,
              "attention": attention}  # fmt: skip
-    if is_hybrid:
-        state = draw(state_tables())
-        model["architecture"] = draw(st.sampled_from(HYBRID_ARCHITECTURES[state["kind"]]))
-        if state["kind"] == "mamba2":  # a Mamba-2 mixer has intermediate = heads * head_dim
-            state["intermediate_size"] = state["n_heads"] * state["head_dim"]
-        if model["architecture"] in ("GraniteMoeHybridForCausalLM", "Qwen3NextForCausalLM"):
-            state["ssm_dtype"] = "auto"  # their configs have no state-dtype field
+    if state is not None:
         model["state"] = state
     dtypes = _MLA_DTYPES if attention["kind"] == "mla" else _GQA_DTYPES
     runtime = {
         "max_model_len": draw(st.integers(1, 1 << 17)),
-        "block_size": draw(st.sampled_from([16, 32, 64])),
+        "tensor_parallel_size": draw(st.sampled_from(TENSOR_PARALLEL_SIZES)),
         "kernel_block_alignment": draw(st.sampled_from([16, 32, 64])),
         "kv_cache_dtype": draw(st.sampled_from(dtypes)),
-        "num_speculative_tokens": draw(st.integers(0, 2)),
+        "num_speculative_tokens": draw(st.sampled_from([0, 0, 1, 2])),
         "kv_cache_memory_bytes": draw(st.integers(1 << 20, 64 << 30)),
         "mamba_cache_mode": draw(st.sampled_from(["none", "align"])),
+        "max_num_batched_tokens": draw(st.sampled_from([512, 2048, 8192])),
     }
+    if draw(st.booleans()):  # a --block-size; else vLLM's default and Phase 1
+        runtime["block_size"] = draw(st.sampled_from([16, 32, 64, 128]))
     return {"schema": "kv-scenario/1", "name": "generated", "model": model, "runtime": runtime}
 
 

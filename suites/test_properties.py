@@ -10,27 +10,33 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, assume, given, note, reject, settings
+from hypothesis import HealthCheck, given, note, reject, settings
 
 from pytest_kvconform.backends.base import METHOD_FAMILY
 from pytest_kvconform.conformance import (
     REJECTIONS,
     RuleNotApplicable,
-    first_difference,
-    layer_spec_difference,
+    assert_same,
+    assert_same_layers,
+    compared,
+    discard,
     skip_if_not_provided,
 )
 from pytest_kvconform.scenario import Scenario, scenario_from_dict
 from pytest_kvconform.strategies import scenario_dicts, scenario_toml
 
-# Backends may discard many generated inputs (``unsupported``): a filter, not a slow strategy.
-_settings = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+# Inputs a backend cannot model are discarded and counted (the summary's "discarded" column);
+# hypothesis's filter_too_much health check still fails a backend that discards nearly all.
+_settings = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def _scenario(data: dict[str, Any], backend: Any) -> Scenario:
     note("counterexample scenario (kv-scenario/1):\n" + scenario_toml(data))
     scenario = scenario_from_dict(data, "<hypothesis>")
-    assume(not (hasattr(backend, "unsupported") and backend.unsupported(scenario)))
+    reason = backend.unsupported(scenario) if hasattr(backend, "unsupported") else None
+    if reason:
+        discard(f"unsupported: {reason}")
+        reject()
     return scenario
 
 
@@ -49,13 +55,18 @@ def _both(
         try:
             with pytest.raises(type(exc)):
                 getattr(kv_backend, method)(*inputs, scenario=scenario)
-        except RuleNotApplicable:
+        except RuleNotApplicable as not_applicable:
+            discard(f"not applicable: {not_applicable}")
             reject()
+        compared()
         return None, None
     try:
-        return expected, getattr(kv_backend, method)(*inputs, scenario=scenario)
-    except RuleNotApplicable:
+        got = getattr(kv_backend, method)(*inputs, scenario=scenario)
+    except RuleNotApplicable as exc:
+        discard(f"not applicable: {exc}")
         reject()
+    compared()
+    return expected, got
 
 
 @pytest.mark.kvconform_rule("hybrid_alignment")
@@ -65,19 +76,20 @@ def test_hybrid_alignment_generated(kv_backend: Any, kv_reference: Any, data: di
     s = _scenario(data, kv_backend)
     expected, got = _both(kv_backend, kv_reference, "align_hybrid_block_size", scenario=s)
     if expected is not None:
-        assert (got.block_size, got.page_size_bytes, got.state_page_padded_bytes) == (
-            expected.block_size, expected.page_size_bytes, expected.state_page_padded_bytes,
-        )  # fmt: skip
+        fields = ("block_size", "page_size_bytes", "state_page_padded_bytes")
+        want, have = ({f: getattr(a, f, None) for f in fields} for a in (expected, got))
+        assert_same("hybrid_alignment", kv_backend, s, want, have)
 
 
 def _on_layer_specs(kv_backend: Any, kv_reference: Any, data: dict[str, Any], method: str) -> tuple:
-    """A spec-level rule (``method(specs, scenario=...)``) on the reference's layer specs."""
+    """(scenario, reference answer, backend answer) of a spec-level rule (``method(specs,
+    scenario=...)``) on the reference's layer specs."""
     s = _scenario(data, kv_backend)
     try:
         specs = kv_reference.layer_specs(scenario=s)
     except REJECTIONS:
         reject()  # rejected before grouping (e.g. a TP split); the layer-specs property covers it
-    return _both(kv_backend, kv_reference, method, specs, scenario=s)
+    return (s, *_both(kv_backend, kv_reference, method, specs, scenario=s))
 
 
 @pytest.mark.kvconform_rule("layer_specs")
@@ -87,24 +99,23 @@ def test_layer_specs_generated(kv_backend: Any, kv_reference: Any, data: dict[st
     s = _scenario(data, kv_backend)
     expected, got = _both(kv_backend, kv_reference, "layer_specs", scenario=s)
     if expected is not None:
-        difference = layer_spec_difference(expected, got)
-        assert difference is None, difference
+        assert_same_layers(kv_backend, s, expected, got)
 
 
 @pytest.mark.kvconform_rule("grouping")
 @_settings
 @given(data=scenario_dicts())
 def test_grouping_generated(kv_backend: Any, kv_reference: Any, data: dict[str, Any]) -> None:
-    expected, got = _on_layer_specs(kv_backend, kv_reference, data, "kv_cache_groups")
-    assert got == expected
+    s, expected, got = _on_layer_specs(kv_backend, kv_reference, data, "kv_cache_groups")
+    assert_same("grouping", kv_backend, s, {"groups": expected}, {"groups": got})
 
 
 @pytest.mark.kvconform_rule("memory")
 @_settings
 @given(data=scenario_dicts())
 def test_memory_generated(kv_backend: Any, kv_reference: Any, data: dict[str, Any]) -> None:
-    expected, got = _on_layer_specs(kv_backend, kv_reference, data, "check_memory")
-    assert got == expected
+    s, expected, got = _on_layer_specs(kv_backend, kv_reference, data, "check_memory")
+    assert_same("memory", kv_backend, s, expected, got)
 
 
 @pytest.mark.kvconform_rule("one_sequence")
@@ -118,7 +129,7 @@ def test_one_sequence_generated(kv_backend: Any, kv_reference: Any, data: dict[s
         reject()
     inputs = (choice.block_size, choice.state_page_padded)
     expected, got = _both(kv_backend, kv_reference, "one_sequence_bytes", *inputs, scenario=s)
-    assert got == expected
+    assert_same("one_sequence", kv_backend, s, {"one_sequence_bytes": expected}, {"one_sequence_bytes": got})
 
 
 @pytest.mark.kvconform_rule("plan")
@@ -128,5 +139,4 @@ def test_plan_generated(kv_backend: Any, kv_reference: Any, data: dict[str, Any]
     s = _scenario(data, kv_backend)
     expected, got = _both(kv_backend, kv_reference, "plan", scenario=s)
     if expected is not None:
-        diff = first_difference(expected.to_dict(), got.to_dict())
-        assert diff is None, f"plan.{diff[0]}: reference {diff[1]!r}, backend {diff[2]!r}"
+        assert_same("plan", kv_backend, s, expected.to_dict(), got.to_dict())

@@ -4,7 +4,8 @@ Run with ``pytest --kvconform-backend=NAME``. Each test carries ``kvconform_rule
 ``kv_scenario`` parametrizes over the packaged scenarios (plus ``--kvconform-scenarios``). A
 per-rule test hands the backend the reference's inputs for that rule (its layer specs, its
 block choice), so each rule is checked on its own; ``test_layer_specs`` compares the backend's
-own specs and ``test_plan`` its own composition, step by step.
+own specs and ``test_plan`` its own composition, step by step. A failure names the rule, the
+backend, the scenario and the first differing field with both values.
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ from typing import Any
 import pytest
 
 from pytest_kvconform.conformance import (
+    assert_same,
+    assert_same_layers,
     call_rule,
-    first_difference,
-    layer_spec_difference,
     outcome,
     plan_with_trace,
 )
+from pytest_kvconform.model import KVPlan
 from pytest_kvconform.reference.specs import AttentionSpec, MambaSpec
 from pytest_kvconform.reference.unify import POLICIES
 from pytest_kvconform.scenario import KV_CACHE_DTYPES, MODEL_DTYPES, Scenario
@@ -34,7 +36,7 @@ def reference_specs(kv_reference: Any, scenario: Scenario) -> dict[str, Any]:
     answer = outcome(kv_reference, "layer_specs", scenario=scenario)
     if answer[0] != "ok":
         pytest.skip(
-            f"the reference rejects this scenario's layers ({answer[1]}); test_layer_specs compares that"
+            f"the reference rejects this scenario's layers ({answer[1]}); test_layer_specs checks that"
         )
     return answer[1]
 
@@ -45,8 +47,10 @@ def reference_specs(kv_reference: Any, scenario: Scenario) -> dict[str, Any]:
 def test_kv_cache_dtype_bytes(
     kv_backend: Any, kv_reference: Any, kv_cache_dtype: str, model_dtype: str
 ) -> None:
+    key = f"kv_cache_dtype_bytes({kv_cache_dtype!r}, {model_dtype!r})"
     expected = kv_reference.kv_cache_dtype_bytes(kv_cache_dtype, model_dtype)
-    assert call_rule(kv_backend, "kv_cache_dtype_bytes", kv_cache_dtype, model_dtype) == expected
+    got = call_rule(kv_backend, "kv_cache_dtype_bytes", kv_cache_dtype, model_dtype)
+    assert_same("dtype", kv_backend, None, {key: expected}, {key: got})
 
 
 @pytest.mark.kvconform_rule("hybrid_alignment")
@@ -57,16 +61,15 @@ def test_hybrid_alignment(kv_backend: Any, kv_reference: Any, kv_scenario: Scena
     got = call_rule(kv_backend, "align_hybrid_block_size", scenario=kv_scenario)
     fields = ("block_size", "page_size_bytes", "state_page_padded_bytes", "attn_page_bytes_per_token",
               "state_page_bytes")  # fmt: skip
-    diff = first_difference(
-        {f: getattr(expected, f) for f in fields}, {f: getattr(got, f, None) for f in fields}
-    )
-    assert diff is None, f"{diff[0]}: reference {diff[1]!r}, backend {diff[2]!r}"
+    want, have = ({f: getattr(answer, f, None) for f in fields} for answer in (expected, got))
+    assert_same("hybrid_alignment", kv_backend, kv_scenario, want, have)
 
 
 @pytest.mark.kvconform_rule("block_size")
 def test_choose_block_size(kv_backend: Any, kv_reference: Any, kv_scenario: Scenario) -> None:
     expected = outcome(kv_reference, "choose_block_size", scenario=kv_scenario)
-    assert outcome(kv_backend, "choose_block_size", scenario=kv_scenario) == expected
+    got = outcome(kv_backend, "choose_block_size", scenario=kv_scenario)
+    assert_same("block_size", kv_backend, kv_scenario, expected, got)
 
 
 @pytest.mark.kvconform_rule("state_page")
@@ -77,10 +80,13 @@ def test_state_shapes_and_page(kv_backend: Any, kv_reference: Any, kv_scenario: 
     got = outcome(kv_backend, "state_shapes", scenario=kv_scenario)
     if got[0] == "ok":
         got = ("ok", tuple(map(tuple, got[1])))
-    assert got == expected
+    assert_same("state_page", kv_backend, kv_scenario, {"state_shapes": expected}, {"state_shapes": got})
     specs = distinct(reference_specs(kv_reference, kv_scenario), MambaSpec)
     pages = [call_rule(kv_backend, "state_page_bytes", s, scenario=kv_scenario) for s in specs]
-    assert pages == [s.page_size_bytes for s in specs]
+    want = [s.page_size_bytes for s in specs]
+    assert_same(
+        "state_page", kv_backend, kv_scenario, {"state_page_bytes": want}, {"state_page_bytes": pages}
+    )
 
 
 @pytest.mark.kvconform_rule("layer_specs")
@@ -89,24 +95,29 @@ def test_layer_specs(kv_backend: Any, kv_reference: Any, kv_scenario: Scenario) 
     expected = outcome(kv_reference, "layer_specs", scenario=kv_scenario)
     got = outcome(kv_backend, "layer_specs", scenario=kv_scenario)
     if expected[0] != "ok" or got[0] != "ok":
-        assert got == expected
+        assert_same("layer_specs", kv_backend, kv_scenario, expected[:1], got[:1])
+        assert_same("layer_specs", kv_backend, kv_scenario, expected, got)
         return
-    difference = layer_spec_difference(expected[1], got[1])
-    assert difference is None, difference
+    assert_same_layers(kv_backend, kv_scenario, expected[1], got[1])
 
 
 @pytest.mark.kvconform_rule("attention_page")
 def test_attention_page_bytes(kv_backend: Any, kv_reference: Any, kv_scenario: Scenario) -> None:
     specs = distinct(reference_specs(kv_reference, kv_scenario), AttentionSpec)
     got = [call_rule(kv_backend, "attention_page_bytes", s, scenario=kv_scenario) for s in specs]
-    assert got == [s.page_size_bytes for s in specs]
+    want = [s.page_size_bytes for s in specs]
+    assert_same(
+        "attention_page", kv_backend, kv_scenario, {"page_size_bytes": want}, {"page_size_bytes": got}
+    )
 
 
 @pytest.mark.kvconform_rule("max_memory")
 def test_max_memory_usage_bytes(kv_backend: Any, kv_reference: Any, kv_scenario: Scenario) -> None:
     specs = list(dict.fromkeys(reference_specs(kv_reference, kv_scenario).values()))
     got = [call_rule(kv_backend, "max_memory_usage_bytes", s, scenario=kv_scenario) for s in specs]
-    assert got == [kv_reference.max_memory_usage_bytes(s, scenario=kv_scenario) for s in specs]
+    want = [kv_reference.max_memory_usage_bytes(s, scenario=kv_scenario) for s in specs]
+    assert_same("max_memory", kv_backend, kv_scenario, {"max_memory_usage_bytes": want},
+                {"max_memory_usage_bytes": got})  # fmt: skip
 
 
 def _policies(backend: Any) -> tuple[str, ...]:
@@ -124,7 +135,7 @@ def test_unify_page_sizes(kv_backend: Any, kv_reference: Any, kv_scenario: Scena
         if expected[0] == "ok" and got[0] == "ok":
             got = ("ok", {k: (v.block_size, v.page_size_bytes) for k, v in got[1].items()})
             expected = ("ok", {k: (v.block_size, v.page_size_bytes) for k, v in expected[1].items()})
-        assert got == expected, f"policy {policy}"
+        assert_same("unification", kv_backend, s, {policy: expected}, {policy: got})
 
 
 @pytest.mark.kvconform_rule("grouping")
@@ -132,8 +143,15 @@ def test_kv_cache_groups(kv_backend: Any, kv_reference: Any, kv_scenario: Scenar
     specs = reference_specs(kv_reference, kv_scenario)
     expected = kv_reference.kv_cache_groups(specs, scenario=kv_scenario)
     got = call_rule(kv_backend, "kv_cache_groups", specs, scenario=kv_scenario)
-    assert [(g.kind, len(g.layer_names)) for g in got] == [(g.kind, len(g.layer_names)) for g in expected]
-    assert got == expected
+    shape = {"groups (kind, layers)": [(g.kind, len(g.layer_names)) for g in expected]}
+    assert_same(
+        "grouping",
+        kv_backend,
+        kv_scenario,
+        shape,
+        {"groups (kind, layers)": [(g.kind, len(g.layer_names)) for g in got]},
+    )
+    assert_same("grouping", kv_backend, kv_scenario, {"groups": expected}, {"groups": got})
 
 
 @pytest.mark.kvconform_rule("memory")
@@ -141,8 +159,7 @@ def test_check_memory(kv_backend: Any, kv_reference: Any, kv_scenario: Scenario)
     specs = reference_specs(kv_reference, kv_scenario)
     expected = kv_reference.check_memory(specs, scenario=kv_scenario)
     got = call_rule(kv_backend, "check_memory", specs, scenario=kv_scenario)
-    diff = first_difference(vars(expected), vars(got))
-    assert diff is None, f"{diff[0]}: reference {diff[1]!r}, backend {diff[2]!r}"
+    assert_same("memory", kv_backend, kv_scenario, expected, got)
 
 
 @pytest.mark.kvconform_rule("memory")
@@ -152,8 +169,10 @@ def test_estimate_max_model_len(
 ) -> None:
     specs = reference_specs(kv_reference, kv_scenario)
     available = int(kv_reference.check_memory(specs, scenario=kv_scenario).needed_bytes * fraction)
+    key = f"estimate_max_model_len({available} B)"
     expected = kv_reference.estimate_max_model_len(specs, available, scenario=kv_scenario)
-    assert call_rule(kv_backend, "estimate_max_model_len", specs, available, scenario=kv_scenario) == expected
+    got = call_rule(kv_backend, "estimate_max_model_len", specs, available, scenario=kv_scenario)
+    assert_same("memory", kv_backend, kv_scenario, {key: expected}, {key: got})
 
 
 @pytest.mark.kvconform_rule("one_sequence")
@@ -163,18 +182,27 @@ def test_one_sequence_bytes(kv_backend: Any, kv_reference: Any, kv_scenario: Sce
     choice = kv_reference.choose_block_size(scenario=kv_scenario)
     inputs = (choice.block_size, choice.state_page_padded)
     expected = kv_reference.one_sequence_bytes(*inputs, scenario=kv_scenario)
-    assert call_rule(kv_backend, "one_sequence_bytes", *inputs, scenario=kv_scenario) == expected
+    got = call_rule(kv_backend, "one_sequence_bytes", *inputs, scenario=kv_scenario)
+    assert_same("one_sequence", kv_backend, kv_scenario, {"one_sequence_bytes": expected},
+                {"one_sequence_bytes": got})  # fmt: skip
 
 
-#: Logical block sizes seen in the notes (hybrid alignments, translations) plus a few small ones.
+#: Logical block sizes of the packaged hybrids' alignments and translations, plus a few small ones.
 BLOCK_SIZES = [8, 16, 24, 32, 48, 64, 144, 160, 288, 400, 416, 528, 544, 784, 1056, 1808, 2768, 4160]
 
 
 @pytest.mark.kvconform_rule("kernel_block")
 @pytest.mark.parametrize("block_size", [*BLOCK_SIZES, 7, 100])
 def test_kernel_block_size(kv_backend: Any, kv_reference: Any, block_size: int) -> None:
+    key = f"kernel_block_size({block_size})"
     expected = outcome(kv_reference, "kernel_block_size", block_size)
-    assert outcome(kv_backend, "kernel_block_size", block_size) == expected
+    assert_same(
+        "kernel_block",
+        kv_backend,
+        None,
+        {key: expected},
+        {key: outcome(kv_backend, "kernel_block_size", block_size)},
+    )
 
 
 @pytest.mark.kvconform_rule("kernel_block")
@@ -182,7 +210,9 @@ def test_kernel_block_size(kv_backend: Any, kv_reference: Any, block_size: int) 
 def test_build_block_tables(kv_backend: Any, kv_reference: Any, block_size: int) -> None:
     rows = [[0, 2], [1], [5, 3, 4]]
     table, kernel = call_rule(kv_backend, "build_block_tables", rows, block_size)
-    assert ([list(map(int, r)) for r in table], kernel) == kv_reference.build_block_tables(rows, block_size)
+    want_table, want_kernel = kv_reference.build_block_tables(rows, block_size)
+    assert_same("kernel_block", kv_backend, None, {"kernel_block": want_kernel, "table": want_table},
+                {"kernel_block": kernel, "table": [list(map(int, r)) for r in table]})  # fmt: skip
 
 
 @pytest.mark.kvconform_rule("plan")
@@ -191,8 +221,30 @@ def test_plan(kv_backend: Any, kv_reference: Any, kv_scenario: Scenario, record_
     where it declines (those steps are recorded and reported)."""
     expected = outcome(kv_reference, "plan", scenario=kv_scenario)
     if expected[0] != "ok":
-        assert outcome(kv_backend, "plan", scenario=kv_scenario) == expected
+        assert_same(
+            "plan", kv_backend, kv_scenario, expected, outcome(kv_backend, "plan", scenario=kv_scenario)
+        )
         return
     got = plan_with_trace(kv_backend, kv_scenario, record_property)
-    diff = first_difference(expected[1].to_dict(), got.to_dict())
-    assert diff is None, f"plan.{diff[0]}: reference {diff[1]!r}, backend {diff[2]!r}"
+    assert_same("plan", kv_backend, kv_scenario, expected[1].to_dict(), got.to_dict())
+
+
+def _matches(want: Any, got: Any) -> bool:
+    """Authors write percentages and ratios to two decimals: floats match to 0.01."""
+    return abs(got - want) <= 0.01 if isinstance(want, float) else got == want
+
+
+@pytest.mark.kvconform_rule("plan")
+def test_expectations(kv_backend: Any, kv_scenario: Scenario) -> None:
+    """The scenario file's own ``[expect]`` table (numbers its author derived) and the plan fields
+    of its ``[expect.external]`` (public observations) against the backend's plan, for packaged
+    scenarios and ``--kvconform-scenarios`` files alike."""
+    external = {k: v for k, v in kv_scenario.expect_external.items() if k in KVPlan.field_names()}
+    if not kv_scenario.expect and not external:
+        pytest.skip("no [expect] table")
+    got = call_rule(kv_backend, "plan", scenario=kv_scenario).to_dict()
+    wrong = [f"{table}.{k}: expected {v!r}, got {got[k]!r}"
+             for table, values in (("expect", kv_scenario.expect), ("expect.external", external))
+             for k, v in values.items() if not _matches(v, got[k])]  # fmt: skip
+    if wrong:
+        pytest.fail(f"{kv_scenario.source}: backend {kv_backend.name!r}: " + "; ".join(wrong), pytrace=False)

@@ -30,7 +30,8 @@ def test_plan_json_has_every_documented_key(capsys: pytest.CaptureFixture[str]) 
     assert code == 0
     plan = json.loads(out)
     assert set(plan) >= REQUIRED_KEYS
-    # notes vllm-0.33-kv-rules.md §9(e) e2 and §19(e): Granite-4.0-H-Tiny, 8 GiB, L = 32768
+    # Granite-4.0-H-Tiny, 8 GiB, L = 32768: vLLM 0.33.0 Platform._align_hybrid_block_size gives
+    # 16 * cdiv(806,400, 16 * 2048) = 400; 4 * 819,200 = 3,276,800 B per block; 8 GiB // 3,276,800 = 2621
     assert (plan["block_size"], plan["bytes_per_block"], plan["num_blocks"]) == (400, 3_276_800, 2621)
     assert plan["admission"] == "ok"
 
@@ -55,7 +56,7 @@ def test_admission_error_is_reported_in_the_plan(capsys: pytest.CaptureFixture[s
 def test_text_output_lists_the_fields(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "plan", "qwen3.5-0.8b")
     assert code == 0
-    assert any(line.split() == ["block_size", "544"] for line in out.splitlines())  # vllm-metal §A.2
+    assert any(line.split() == ["block_size", "544"] for line in out.splitlines())  # vllm-metal#584, #235
 
 
 @pytest.mark.parametrize(
@@ -92,7 +93,7 @@ def test_bad_file_names_file_and_key(tmp_path: Path, capsys: pytest.CaptureFixtu
 
 
 def test_rule_rejection_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
-    # vLLM's divide(): 48 Mamba heads cannot be split over 5 ranks (notes §11(c))
+    # vLLM 0.33.0 vllm/distributed/utils.py divide(): 48 Mamba heads cannot be split over 5 ranks
     code, _, err = run(capsys, "plan", "granite-4.0-h-tiny", "--set", "tensor_parallel_size=5")
     assert code == 1
     assert "is not divisible by 5" in err

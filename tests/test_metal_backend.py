@@ -44,7 +44,7 @@ def test_version_names_mlx_and_device(metal: MetalBackend) -> None:
 
 
 def test_block_tables_are_plain_lists(metal: MetalBackend) -> None:
-    # vllm-metal.md §A.3 worked example
+    # vllm-metal attention/impls/sdpa.py, _build_block_tables([[0,2],[1]], 160) (vllm-metal#235)
     assert metal.build_block_tables([[0, 2], [1]], 160) == (
         [[0, 1, 2, 3, 4, 10, 11, 12, 13, 14], [5, 6, 7, 8, 9, 0, 1, 2, 3, 4]],
         32,
@@ -59,10 +59,12 @@ def test_granite_plan_matches_the_reference(metal: MetalBackend) -> None:
 def test_pool_block_holds_only_the_attention_layers(metal: MetalBackend) -> None:
     """vllm-metal bills a block as its paged (attention) layers; vLLM bills group_size pages.
 
-    3 MLA layers + 4 Mamba layers: 4 < 1.5 * 3, so vLLM's group size is 4 (rules §15). The MLA
-    floor aligns the block to 128 tokens (rules §9); one latent is (256 + 64) * 2 B = 640 B/token.
-    The Metal pool block holds 3 * 128 * 640 = 245,760 B while vLLM bills 4 * 81,920 = 327,680 B,
-    so vLLM plans fewer blocks than the Metal pool allocated (budget // 245,760 = 4 vs 3).
+    3 MLA layers + 4 Mamba layers: 4 < 1.5 * 3, so vLLM's group size is 4 (vLLM 0.33.0
+    _get_kv_cache_groups_uniform_page_size). The MLA floor of 128 in vLLM 0.33.0
+    Platform._align_hybrid_block_size aligns the block to 128 tokens; one latent is
+    (256 + 64) * 2 B = 640 B/token. The Metal pool block holds 3 * 128 * 640 = 245,760 B while vLLM
+    bills 4 * 81,920 = 327,680 B, so vLLM plans fewer blocks than the Metal pool allocated
+    (budget // 245,760 = 4 vs 3).
     """
     scenario = parse_scenario(ATTENTION_MINORITY_HYBRID)
     reference, measured = ReferenceBackend().plan(scenario), metal.plan(scenario)
@@ -73,8 +75,9 @@ def test_pool_block_holds_only_the_attention_layers(metal: MetalBackend) -> None
 
 
 def test_packed_kv_dtype_is_not_modelled(metal: MetalBackend) -> None:
-    """notes vllm-metal.md §A.1/§F risk 2: vllm-metal stores K/V in the model dtype only; the runtime
-    refuses to size a pool of fp8_ds_mla latents and uint8 indexer keys instead of guessing."""
+    """vllm-metal stores K/V in the model dtype only (v1/model_lifecycle.py sets kv_cache_dtype from
+    model_config.dtype, vllm-metal#198; --kv-cache-dtype is never read); the runtime refuses to size
+    a pool of fp8_ds_mla latents and uint8 indexer keys instead of guessing."""
     scenario = load_scenario("glm-5-fp8-ds-mla")
     assert "fp8_ds_mla" in (metal.unsupported(scenario) or "")
     with pytest.raises(ValueError, match="no packed or padded KV pages"):
@@ -85,7 +88,8 @@ def test_state_slot_is_billed_fp32_when_pages_are_not_padded(metal: MetalBackend
     """vllm-metal PR #243: the GDN recurrent state is fp32 on Metal even for a bf16 model.
 
     Qwen3.5-0.8B GDN, one layer: conv (3, 6144) bf16 = 36,864 B; recurrent 16 x 128 x 128 fp32 =
-    1,048,576 B (vllm-metal.md §A.2). A pure-state model is never padded, so the slot is billed.
+    1,048,576 B (vllm-metal v1/cache_policy.py, linear_cache_bytes_per_slot). A pure-state model is
+    never padded, so the slot is billed.
     """
     scenario = parse_scenario(
         'schema = "kv-scenario/1"\nname = "gdn-only"\n[model]\narchitecture = "X"\ndtype = "bfloat16"\n'

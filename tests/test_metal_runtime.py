@@ -1,8 +1,9 @@
 """Tests of the MLX paged-attention runtime (``pytest_kvconform.metal_runtime``).
 
 Expected values come from the float64 dense oracle fed with the contiguous K/V that were written
-into the paged cache, from ``/work/shared/notes/vllm-metal.md`` (cited by section), or from
-first principles (element counts times element sizes).
+into the paged cache, from vllm-metal's source and tests (vllm-project/vllm-metal @ 211a1e4, cited
+by file and function, or by PR as ``vllm-metal#N``), or from first principles (element counts times
+element sizes).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from pytest_kvconform.metal_runtime import (  # noqa: E402
     state_layer,
 )
 
-# (atol, rtol) of vllm-metal's kernel tests, notes §B.3.
+# (atol, rtol) of vllm-metal's kernel parity checks (e.g. TOLS in tools/spec_window_parity.py).
 TOL = {"bfloat16": (3e-2, 2e-2), "float16": (1.5e-2, 2e-2), "float32": (1e-3, 1e-3)}
 MX = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
 ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -133,7 +134,7 @@ def test_package_import_does_not_import_mlx() -> None:
     assert out.stdout.strip() == "False"
 
 
-# --------------------------------------------------------------------------- translation (notes §A.3)
+# --------------------------------------------------------------------------- translation (vllm-metal sdpa.py)
 
 
 @pytest.mark.parametrize(
@@ -162,7 +163,7 @@ def test_pick_kernel_block_size_rejects(block_size: int) -> None:
 
 
 def test_build_block_tables_expands_after_padding() -> None:
-    table, kbs = build_block_tables([[0, 2], [1]], 160)  # the notes' §A.3 example
+    table, kbs = build_block_tables([[0, 2], [1]], 160)  # vllm-metal sdpa.py, _build_block_tables example
     assert kbs == 32
     assert table.dtype == mx.int32
     assert table.tolist() == [[0, 1, 2, 3, 4, 10, 11, 12, 13, 14], [5, 6, 7, 8, 9, 0, 1, 2, 3, 4]]
@@ -180,13 +181,13 @@ def test_build_block_tables_kernel_sizes_only_pad() -> None:
 def test_reshape_cache_for_kernel_is_a_view_of_the_same_tokens() -> None:
     cache = mx.arange(3 * 160 * 2 * 64, dtype=mx.float32).reshape(3, 160, 2, 64)
     kernel = reshape_cache_for_kernel(cache, 32)
-    assert kernel.shape == (15, 32, 2, 64)  # notes §0: (3,160,2,64) -> (15,32,2,64)
+    assert kernel.shape == (15, 32, 2, 64)  # vllm-metal sdpa_forward's zero-copy reshape
     # token t of logical block b is token t % 32 of kernel block b*5 + t // 32
     for b, t in [(0, 0), (1, 37), (2, 159)]:
         assert mx.array_equal(kernel[b * 5 + t // 32, t % 32], cache[b, t])
 
 
-# --------------------------------------------------------------------------- reshape_and_cache (§B.5)
+# --------------------------------------------------------------------------- reshape_and_cache
 
 
 def test_reshape_and_cache_writes_slots_and_skips_negative() -> None:
@@ -260,7 +261,7 @@ def test_sliding_window(window: int) -> None:
 
 
 def test_window_of_one_returns_own_value() -> None:
-    """With ``sliding_window=1`` each row attends only itself (notes §B.3): out = v[eff-1]."""
+    """With ``sliding_window=1`` each row attends only itself (pagedattention.metal): out = v[eff-1]."""
     case = Case([30], [4], hq=2, hkv=2, seed=4)
     out = case.paged(sliding_window=1)
     expected = case.values[0][26:30]  # rows at positions 26..29, one KV head per query head
@@ -361,7 +362,10 @@ def test_pool_bytes_from_allocation() -> None:
 
 
 def test_pool_state_slots() -> None:
-    """Qwen3.5-0.8B GDN state: conv (3, 6144) bf16 + recurrent (16,128,128) fp32 = 1,085,440 B (§A.2)."""
+    """Qwen3.5-0.8B GDN state: conv (3, 6144) bf16 + recurrent (16,128,128) fp32 = 1,085,440 B.
+
+    The recurrent state is fp32 in vllm-metal (vllm-metal#243, #579).
+    """
     gdn = state_layer((3, 6144), "bfloat16", (16, 128, 128), "float32")
     pool = KVPool(
         [attention_layer(2, 256, "bfloat16"), gdn, gdn], num_blocks=3, block_size=32, num_state_slots=2
@@ -374,7 +378,7 @@ def test_pool_state_slots() -> None:
 
 
 def test_one_sequence_bytes_notes_vector() -> None:
-    """notes §F: L=4, H=4, D=64, fp16, max_model_len 2048, block 400 -> 2*4*2400*4*64*2."""
+    """vllm-metal#229 test: L=4, H=4, D=64, fp16, max_model_len 2048, block 400 -> 2*4*2400*4*64*2."""
     layers = [attention_layer(4, 64, "float16")] * 4
     assert KVPool.one_sequence_bytes(2048, 400, layers) == 2 * 4 * 2400 * 4 * 64 * 2
     mla = [mla_layer(512, 64, "bfloat16")] * 2
@@ -423,7 +427,7 @@ def test_pool_sized_by_one_sequence_bytes_holds_max_model_len() -> None:
 
 
 def test_granite_block_400_needs_aligned_estimate() -> None:
-    """#229 (notes §C): Granite 4.0-H at block 400, max_model_len 2048.
+    """vllm-project/vllm-metal#229: Granite 4.0-H at block 400, max_model_len 2048.
 
     The un-aligned estimate (2048 tokens of bytes) buys 5 blocks = 2000 tokens, so a full
     sequence cannot be written; the aligned one (2400 tokens) buys 6 blocks and the sequence fits.
@@ -458,5 +462,5 @@ def test_pool_from_scenario_gdn_state_is_fp32() -> None:
     pool = KVPool.from_scenario(load_scenario("qwen3.5-0.8b"), num_blocks=2, block_size=544, scale_layers=6)
     kinds = [x.kind for x in pool.layers]
     assert kinds == ["attention"] + ["state"] * 3  # 6 SDPA + 18 GDN layers, scaled by 6
-    assert pool.state_bytes_per_slot() == 3 * 1_085_440  # notes §A.2 per-layer GDN page
-    assert pool.bytes_per_block() == 544 * 2 * 2 * 256 * 2  # attn 1-token page 2048 B (notes §A.2)
+    assert pool.state_bytes_per_slot() == 3 * 1_085_440  # 3*6144*2 + 16*128*128*4 per GDN layer
+    assert pool.bytes_per_block() == 544 * 2 * 2 * 256 * 2  # attn 1-token page 2*2*256*2 = 2048 B

@@ -84,7 +84,7 @@ def test_header_and_summary(pytester: pytest.Pytester, monkeypatch: pytest.Monke
         "kvconform: backend=reference (reference rules of vLLM 0.33.0), reference=vLLM 0.33.0 rules, "
         "unify policy=per scenario, selected by env, KVCONFORM_BACKEND=reference",
         "*kvconform: backend reference vs reference*",
-        "rule family*passed*failed*skipped*xfailed",
+        "rule family*passed*inherited*failed*skipped*xfailed*discarded",
         "dtype*66*0*0*0",
     ])  # fmt: skip
 
@@ -185,6 +185,17 @@ def test_malformed_xfails_file_is_a_usage_error(pytester: pytest.Pytester) -> No
     result.stderr.fnmatch_lines(["*xfails.toml: xfail[[]0[]].rule: expected one of dtype, hybrid_alignment*"])
 
 
+def test_a_second_xfail_entry_for_one_test_is_a_usage_error(pytester: pytest.Pytester) -> None:
+    """Two reasons for one test would silently keep only the last."""
+    xfails = pytester.path / "xfails.toml"
+    entry = '[[xfail]]\nrule = "plan"\ntest = "test_plan[x]"\nreason = "r"\n'
+    xfails.write_text(entry + entry)
+    pytester.makepyfile("def test_x(): pass")
+    result = pytester.runpytest(f"--kvconform-xfails={xfails}")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*xfails.toml: xfail[[]1[]]: a second entry for 'test_plan[[]x[]]'"])
+
+
 @pytest.mark.parametrize(
     ("option", "message"),
     [
@@ -222,3 +233,119 @@ def test_backend_options_reach_the_constructor(pytester: pytest.Pytester) -> Non
     )
     assert result.ret == 0
     result.stdout.fnmatch_lines(["kvconform: backend=configured *, options: seed=7 device=gpu, device gpu"])
+
+
+EMPTY_AND_BROKEN = """
+from pytest_kvconform.backends.base import ReferenceBackend
+
+
+class Mine(ReferenceBackend):
+    name = "mine"
+
+
+class Declared(ReferenceBackend):
+    name = "declared"
+    inherits = {"dtype": "our platform takes vLLM core's dtype table"}
+
+
+class Broken(ReferenceBackend):
+    name = "broken"
+
+    def attention_page_bytes(self, spec, scenario):
+        return spec.page_size_bytes + 1
+
+
+class Picky(ReferenceBackend):
+    name = "picky"
+
+    def unsupported(self, scenario):
+        return "no MLA here" if scenario.model.use_mla else None
+"""
+
+
+@pytest.fixture
+def backends(pytester: pytest.Pytester) -> pytest.Pytester:
+    pytester.makepyfile(somebackends=EMPTY_AND_BROKEN)
+    pytester.syspathinsert()
+    return pytester
+
+
+def test_an_empty_backend_is_inherited_not_passed(backends: pytest.Pytester) -> None:
+    result, rules = _matrix(
+        backends, RULES_SUITE, "--kvconform-backend=somebackends:Mine", "-k", "dtype or plan"
+    )
+    assert result.ret == 0
+    assert rules["dtype"]["passed"] == 0 and rules["dtype"]["inherited"] == 66
+    assert rules["plan"]["inherited"] > 0 and rules["plan"]["passed"] == 0
+    result.stdout.fnmatch_lines([
+        "rule family*passed*inherited*failed*skipped*xfailed*discarded",
+        "inherited dtype: the backend runs the reference's code (not declared in the backend's `inherits`)",
+    ])  # fmt: skip
+
+
+def test_strict_fails_a_run_with_undeclared_inherited_rules(backends: pytest.Pytester) -> None:
+    args = (RULES_SUITE, "-k", "dtype", "--kvconform-strict", "-p", "no:cacheprovider")
+    result = backends.runpytest(*args, "--kvconform-backend=somebackends:Mine")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(["--kvconform-strict: inherited and not declared: dtype"])
+    declared = backends.runpytest(*args, "--kvconform-backend=somebackends:Declared")
+    assert declared.ret == 0
+    declared.stdout.fnmatch_lines(
+        ["inherited dtype: * (declared: our platform takes vLLM core's dtype table)"]
+    )
+
+
+def test_a_failure_names_rule_backend_scenario_and_field(backends: pytest.Pytester) -> None:
+    result = backends.runpytest(
+        RULES_SUITE,
+        "--kvconform-backend=somebackends:Broken",
+        "-k",
+        "attention_page_bytes and granite-4.0-h-tiny",
+        "-p",
+        "no:cacheprovider",
+    )
+    result.stdout.fnmatch_lines([
+        "*[[]attention_page[]] backend 'broken' on scenario 'ibm-granite/granite-4.0-h-tiny' "
+        "(granite-4.0-h-tiny.toml): page_size_bytes[[]0[]]: reference 819200, backend 819201",
+    ])  # fmt: skip
+
+
+def test_a_golden_mismatch_shows_the_field_and_syrupys_diff(backends: pytest.Pytester) -> None:
+    reported = str(SUITES / "regressions" / "test_reported.py")
+    result = backends.runpytest(reported, "--kvconform-backend=somebackends:Broken", "-k", "golden and bs400",
+                                "-p", "no:cacheprovider")  # fmt: skip
+    result.stdout.fnmatch_lines([
+        "E   *[[]plan[]] backend 'broken' on scenario *: attn_bytes_per_token_per_layer: "
+        "reference 2048, backend 2049",
+        "E   *assert [[]+ received[]] == [[]- snapshot[]]",
+        '*-   "attn_bytes_per_token_per_layer": 2048,',
+        '*+   "attn_bytes_per_token_per_layer": 2049,',
+    ])  # fmt: skip
+
+
+def test_expect_tables_of_user_scenarios_are_checked(pytester: pytest.Pytester) -> None:
+    mine = pytester.path / "mine.toml"
+    mine.write_text(
+        'schema = "kv-scenario/1"\nname = "mine"\n[model]\narchitecture = "LlamaForCausalLM"\n'
+        'dtype = "bfloat16"\nnum_hidden_layers = 2\nlayers = "AA"\n[model.attention]\nkind = "gqa"\n'
+        "num_kv_heads = 8\nhead_dim = 128\n[expect]\nattn_bytes_per_token_per_layer = 4096\n"
+        "kv_bytes_per_token = 8000\n"
+    )  # 8 heads x (128 + 128) x 2 B = 4096 per layer; two layers make 8192, not 8000
+    result = pytester.runpytest(RULES_SUITE, f"--kvconform-scenarios={mine}", "-k", "expectations and mine",
+                                "-p", "no:cacheprovider")  # fmt: skip
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [f"*{mine}: backend 'reference': expect.kv_bytes_per_token: expected 8000, got 8192"]
+    )
+
+
+def test_discarded_generated_inputs_are_counted(backends: pytest.Pytester) -> None:
+    _, rules = _matrix(
+        backends,
+        PROPS_SUITE,
+        "--kvconform-backend=somebackends:Picky",
+        "-k",
+        "plan_generated",
+        "--kvconform-max-examples=40",
+    )
+    assert rules["plan"]["discarded"] > 0

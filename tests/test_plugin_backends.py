@@ -48,9 +48,10 @@ def test_own_layer_specs_are_compared_layer_by_layer(toy: pytest.Pytester) -> No
     assert rules["layer_specs"]["failed"] == 2  # GLM-4.7-Flash and GLM-5 are MLA; Granite is not
     # GLM-5's fp8_ds_mla latent is packed (656 B/token whatever head_size_v says): its plan does
     # not move, only the layer-by-layer comparison sees the wrong spec.
-    assert rules["plan"]["failed"] == 1
+    assert rules["plan"]["failed"] == 2  # GLM-4.7-Flash's test_plan and its [expect] table
     result.stdout.fnmatch_lines([
-        "E       AssertionError: layer 0 (attention): head_size_v: reference 0, backend 576",
+        "*[[]layer_specs[]] backend 'toy-mla-kv' on scenario 'zai-org/GLM-4.7-Flash' "
+        "(glm-4.7-flash-bf16.toml): layer 0 (attention): head_size_v: reference 0, backend 576",
     ])  # fmt: skip
 
 
@@ -59,7 +60,7 @@ def test_a_model_the_backend_declines_inherits_that_step(toy: pytest.Pytester) -
     nothing else and the plan takes the reference's kernel block, reported in the summary."""
     result, rules = run(toy, RULES, "--kvconform-backend=toy", "-k", "plan or kernel")
     assert result.ret == 0
-    assert rules["plan"] == {"passed": 11, "failed": 0, "skipped": 0, "xfailed": 0}
+    assert (rules["plan"]["passed"], rules["plan"]["failed"]) == (11, 0)
     result.stdout.fnmatch_lines([
         "plan steps the reference answered because the backend declined them:",
         "*2 plans  kernel_block.kernel_block_size: reference (not applicable: MLA models never take the toy*",
@@ -78,10 +79,10 @@ def test_an_unexpected_exception_fails_every_plan_naming_the_rule(toy: pytest.Py
 
 def test_one_sequence_gets_the_chosen_block(toy: pytest.Pytester) -> None:
     """Item 3: one_sequence_bytes(block_size, state_page_padded, scenario) with the block choice
-    as its own step (the toy inherits both: all pass)."""
+    as its own step (the toy inherits both: reported inherited, not passed)."""
     result, rules = run(toy, RULES, "--kvconform-backend=toy", "-k", "one_sequence or choose_block")
     assert result.ret == 0
-    assert rules["one_sequence"]["passed"] == 11 and rules["block_size"]["passed"] == 11
+    assert rules["one_sequence"]["inherited"] == 11 and rules["block_size"]["inherited"] == 11
 
 
 def test_backend_options_and_notes_reach_the_header(toy: pytest.Pytester) -> None:
@@ -95,7 +96,7 @@ def test_backend_options_and_notes_reach_the_header(toy: pytest.Pytester) -> Non
 def test_allocation_family(toy: pytest.Pytester) -> None:
     """Item 6: a backend that allocates is checked for bytes held and the oversized-config guard."""
     _, rules = run(toy, ALLOCATION, "--kvconform-backend=toy", "-k", "pool_holds or larger_than")
-    assert rules["allocation"] == {"passed": 22, "failed": 0, "skipped": 0, "xfailed": 0}
+    assert (rules["allocation"]["passed"], rules["allocation"]["failed"]) == (22, 0)
     result, rules = run(toy, ALLOCATION, "--kvconform-backend=toy-no-guard", "-k", "larger_than")
     assert rules["allocation"]["failed"] == 11
     result.stdout.fnmatch_lines(["*DID NOT RAISE*"])

@@ -297,8 +297,9 @@ def test_aligned_attention_page_covers_state_minimally(d):
     if a is None:
         return
     rt = s.runtime
-    # rules §9(a): k = max(kernel, block_size), >= 128 for MLA, lcm'd with the checkpoint alignment in
-    # align mode; the strategy keeps block_size a multiple of the kernel alignment (Phase 1's result)
+    # vLLM 0.33.0 Platform._align_hybrid_block_size: k = max(kernel, block_size), >= 128 for MLA, lcm'd
+    # with the checkpoint alignment in align mode; the strategy keeps block_size a multiple of the kernel
+    # alignment (Phase 1's result)
     unit = max(rt.kernel_block_alignment, rt.block_size, 128 if s.model.use_mla else 1)
     unit = math.lcm(unit, rt.extra_block_alignment if rt.mamba_cache_mode == "align" else 1)
     assert a.page_size_bytes == a.block_size * a.attn_page_bytes_per_token
@@ -329,7 +330,7 @@ def test_num_blocks_fit_the_budget(d):
     budget = available_kv_bytes(groups, s.runtime)
     assert mem.num_blocks * mem.bytes_per_block <= budget
     assert (mem.num_blocks + 1) * mem.bytes_per_block > budget
-    assert mem.available_bytes == budget - mem.bytes_per_block  # the null block (rules §17)
+    assert mem.available_bytes == budget - mem.bytes_per_block  # the null block (get_kv_cache_configs)
     if s.runtime.num_gpu_blocks_override is not None:
         assert mem.num_blocks == s.runtime.num_gpu_blocks_override
 

@@ -1,12 +1,12 @@
 """Worked numbers of the reference, each pinned to where the number was published.
 
-Every expected value below is written out by hand from a note or a public PR/test, never
-copied from running the reference. Abbreviations used in the citations:
+Every expected value below is written out by hand from vLLM's or vllm-metal's source, from a public
+PR/issue/test, or derived here from the formula of the function cited; none is copied from running
+the reference. Citation forms:
 
-* ``rules §N`` - shared/notes/vllm-0.33-kv-rules.md, section N (vLLM 0.33.0 wheel);
-* ``metal X`` - shared/notes/vllm-metal.md, section X (vllm-project/vllm-metal @ 211a1e4);
-* ``anchors §4.1`` - shared/notes/harness-anchors.md section 4.1 (vLLM's own unit tests);
-* ``env §3`` - shared/notes/environment.md section 3 (spec API checks run against vLLM).
+* ``vLLM 0.33.0 <function>`` - the vLLM 0.33.0 wheel; ``vllm/...`` paths are relative to its root;
+* ``vllm-metal <file>, <function>`` - vllm-project/vllm-metal @ 211a1e4 (``vllm_metal/...`` paths);
+* ``vllm#N`` / ``vllm-metal#N`` - pull requests and issues of vllm-project/vllm and vllm-project/vllm-metal.
 
 The "regressions" section at the end pins defects this suite found in the reference.
 """
@@ -88,22 +88,22 @@ def model(layers: str, attention: dict | None = None, state: dict | None = None,
     return m
 
 
-# Public configs quoted in the notes.
-# rules §9(e) e2: Granite-4.0-H-Tiny (hidden 1536, 12 heads -> head_dim 128, 4 KV heads, Mamba2).
+# Public model configs (config.json on the Hugging Face Hub).
+# ibm-granite/granite-4.0-h-tiny (hidden 1536, 12 heads -> head_dim 128, 4 KV heads, Mamba2).
 GRANITE_TINY_STATE = {"kind": "mamba2", "intermediate_size": 3072, "n_groups": 1, "n_heads": 48,
                       "head_dim": 64, "d_state": 128, "conv_kernel": 4}  # fmt: skip
-# rules §9(e) e2: Granite-4.0-H-Small (hidden 4096, 8 KV heads, 128 Mamba heads; expand 2 -> I 8192).
+# ibm-granite/granite-4.0-h-small (hidden 4096, 8 KV heads, 128 Mamba heads; expand 2 -> I 8192).
 GRANITE_SMALL_STATE = {"kind": "mamba2", "intermediate_size": 8192, "n_groups": 1, "n_heads": 128,
                        "head_dim": 64, "d_state": 128, "conv_kernel": 4}  # fmt: skip
-# rules §11(e): Qwen3-Next GDN 16 key / 32 value heads x 128, conv kernel 4.
+# Qwen/Qwen3-Next-80B-A3B: GDN 16 key / 32 value heads x 128, conv kernel 4.
 QWEN_NEXT_GDN = {"kind": "gdn", "num_key_heads": 16, "num_value_heads": 32, "key_head_dim": 128,
                  "value_head_dim": 128, "conv_kernel": 4}  # fmt: skip
-# rules §9(e) e3: Qwen3.5-like = the GDN above with mamba_ssm_dtype float32, 4 KV heads x 256.
+# Qwen3.5-like (synthetic): the GDN above with the HF config's mamba_ssm_dtype float32, 4 KV heads x 256.
 QWEN35_GDN = {**QWEN_NEXT_GDN, "ssm_dtype": "float32"}
-# metal A.2 / F: Qwen3.5-0.8B-like GDN 16 x 128 x 128 (conv_dim 6144), fp32 state, 2 KV heads x 256.
+# Qwen/Qwen3.5-0.8B-like (vllm-metal#235, #584): GDN 16 x 128 x 128 (conv_dim 6144), fp32 state, 2 KV x 256.
 QWEN35_08B_GDN = {"kind": "gdn", "num_key_heads": 16, "num_value_heads": 16, "key_head_dim": 128,
                   "value_head_dim": 128, "conv_kernel": 4, "ssm_dtype": "float32"}  # fmt: skip
-GRANITE_LAYERS = "MMMMMAMMMMMMMMMAMMMMMMMMMAMMMMMMMMMAMMMM"  # 4 attention + 36 Mamba2 (rules §15(e))
+GRANITE_LAYERS = "MMMMMAMMMMMMMMMAMMMMMMMMMAMMMMMMMMMAMMMM"  # 4 attention + 36 Mamba2 (granite-4.0-h-tiny)
 
 
 def granite_tiny(**runtime: Any) -> Scenario:
@@ -115,7 +115,8 @@ def gqa_geo(num_kv_heads: int, head_dim: int, **kw: Any) -> AttentionGeometry:
 
 
 def mla_geo(**kw: Any) -> AttentionGeometry:
-    # DeepSeek-V3 / GLM latent: kv_lora_rank 512 + qk_rope_head_dim 64 = 576 (rules §A.1)
+    # DeepSeek-V3 / GLM latent: kv_lora_rank 512 + qk_rope_head_dim 64 = 576
+    # (vLLM 0.33.0 vllm/transformers_utils/model_arch_config_convertor.py, get_head_size)
     return AttentionGeometry(kind="mla", num_kv_heads=1, kv_lora_rank=512, qk_rope_head_dim=64, **kw)
 
 
@@ -131,10 +132,10 @@ def fa(num_kv_heads: int, head_size: int = 128, block_size: int = 16, **kw: Any)
     return AttentionSpec("full_attention", block_size, num_kv_heads, head_size, "bfloat16", **kw)
 
 
-# --------------------------------------------------------------------------- dtypes (rules §1, §2)
+# --------------------------------------------------------------------------- dtypes (torch_utils.py)
 
-# rules §2(a): STR_DTYPE_TO_TORCH_DTYPE; every fp8/fp4/int4/packed string is uint8, int8
-# variants are int8, fp8_inc is float8_e4m3fn; explicit float16/bfloat16 are themselves.
+# vLLM 0.33.0 vllm/utils/torch_utils.py, STR_DTYPE_TO_TORCH_DTYPE: every fp8/fp4/int4/packed string
+# is uint8, int8 variants are int8, fp8_inc is float8_e4m3fn; explicit float16/bfloat16 are themselves.
 EXPECTED_STORAGE = {
     "float16": ("float16", 2), "bfloat16": ("bfloat16", 2),
     "fp8": ("uint8", 1), "fp8_e4m3": ("uint8", 1), "fp8_e5m2": ("uint8", 1),
@@ -149,7 +150,7 @@ EXPECTED_STORAGE = {
 
 
 def test_expected_storage_table_covers_every_cache_dtype():
-    # rules §2(a): the CacheDType list of vllm/config/cache.py ("auto" is tested separately).
+    # vLLM 0.33.0: the CacheDType list of vllm/config/cache.py ("auto" is tested separately).
     assert set(EXPECTED_STORAGE) | {"auto"} == set(KV_CACHE_DTYPES)
 
 
@@ -163,70 +164,78 @@ def test_storage_dtype_and_bytes(kv_cache_dtype):
 
 @pytest.mark.parametrize(
     ("model_dtype", "want"), [("bfloat16", 2), ("float16", 2), ("float32", 4)]
-)  # rules §2(e): "auto on a bf16 model -> 2 B"; auto is the model dtype (kv_cache_dtype_str_to_dtype)
+)  # vLLM 0.33.0 kv_cache_dtype_str_to_dtype: "auto" is the model dtype (2 B on a bf16 model)
 def test_auto_resolves_to_model_dtype(model_dtype, want):
     assert storage_dtype("auto", model_dtype) == model_dtype
     assert kv_cache_dtype_bytes("auto", model_dtype) == want
 
 
 def test_invalid_kv_cache_dtype_text():
-    # rules §2(c): "Invalid kv_cache_dtype: {cache_dtype!r}. Valid values are: ..."
+    # vLLM 0.33.0 vllm/config/cache.py: "Invalid kv_cache_dtype: {cache_dtype!r}. Valid values are: ..."
     with pytest.raises(ValueError, match=r"^Invalid kv_cache_dtype: 'fp9'\. Valid values are: "):
         storage_dtype("fp9", "bfloat16")
 
 
-# --------------------------------------------------------------------------- attention pages (§3, §4)
+# --------------------------------------------------------------------------- attention pages
 
 
 def test_llama_like_pages():
-    # rules §3(e): 8 KV heads, D=128, block 16: 16*8*256*2 = 65,536 bf16; fp8 32,768
+    # vLLM 0.33.0 AttentionSpec.page_size_bytes, 8 KV heads, D=128, block 16: 16*8*256*2 = 65,536 bf16;
+    # fp8 (uint8) 32,768
     assert page(gqa_geo(8, 128), "auto") == 65_536
     assert page(gqa_geo(8, 128), "fp8") == 32_768
 
 
 def test_per_token_pages_k_and_v_counted():
-    # rules §3(e): 2 KV heads x 256 bf16 -> 2,048 B/token; 4 KV heads -> 4,096 B/token
+    # vLLM 0.33.0 AttentionSpec.page_size_bytes counts K and V: 2 KV heads x 256 bf16 -> 2,048 B/token;
+    # 4 KV heads -> 4,096 B/token
     assert page(gqa_geo(2, 256), "auto", block_size=1) == 2_048
     assert page(gqa_geo(4, 256), "auto", block_size=1) == 4_096
 
 
+# vLLM 0.33.0 vllm/model_executor/layers/quantization/turboquant/config.py: key = D if 8-bit else
+# ceil(D*kb/8) + 2, value = ceil(D*vb/8) + 4, slot = key + value (rounded up to even)
 @pytest.mark.parametrize(
     ("kv_cache_dtype", "head_dim", "slot"),
     [
-        ("turboquant_k8v4", 128, 196),  # rules §4(e): 128 + 68
-        ("turboquant_4bit_nc", 128, 134),  # rules §4(e)
-        ("turboquant_k3v4_nc", 128, 118),  # rules §4(e)
-        ("turboquant_3bit_nc", 128, 102),  # rules §4(e)
-        ("turboquant_k8v4", 256, 388),  # rules §4(e), matches vllm PR #40128's "388"
+        ("turboquant_k8v4", 128, 196),  # 128 + 68
+        ("turboquant_4bit_nc", 128, 134),  # 66 + 68
+        ("turboquant_k3v4_nc", 128, 118),  # 50 + 68
+        ("turboquant_3bit_nc", 128, 102),  # 50 + 52
+        ("turboquant_k8v4", 256, 388),  # 256 + 132, matches vllm PR #40128's "388"
     ],
 )
 def test_turboquant_slot(kv_cache_dtype, head_dim, slot):
     assert turboquant_slot_bytes(head_dim, kv_cache_dtype) == slot
 
 
+# vLLM 0.33.0 backend customize_spec packing (vllm/v1/attention/backends/turboquant_attn.py,
+# flashinfer.py, triton_attn.py): slots x bytes per slot and token x block 16
 @pytest.mark.parametrize(
     ("kv_cache_dtype", "want"),
     [
-        ("turboquant_k8v4", 25_088),  # rules §4(e): 8 heads x 196 x 16
-        ("turboquant_4bit_nc", 17_152),  # rules §4(e)
-        ("turboquant_k3v4_nc", 15_104),  # rules §4(e)
-        ("turboquant_3bit_nc", 13_056),  # rules §4(e)
-        ("nvfp4", 18_432),  # rules §4(e): FlashInfer, 16 slots x 72 B x 16
-        ("int8_per_token_head", 33_792),  # rules §4(e): Triton (256 + 8) B
-        ("int4_per_token_head", 17_408),  # rules §4(e): Triton 136 B
+        ("turboquant_k8v4", 25_088),  # TurboQuant: 8 heads x 196 x 16
+        ("turboquant_4bit_nc", 17_152),  # 8 x 134 x 16
+        ("turboquant_k3v4_nc", 15_104),  # 8 x 118 x 16
+        ("turboquant_3bit_nc", 13_056),  # 8 x 102 x 16
+        ("nvfp4", 18_432),  # FlashInfer: 16 slots x (64 + 8) B x 16
+        ("int8_per_token_head", 33_792),  # Triton: 8 x (256 + 2 * 4) B x 16
+        ("int4_per_token_head", 17_408),  # Triton: 8 x (128 + 2 * 4) B x 16
     ],
 )
 def test_packed_attention_pages_8_heads_d128_block16(kv_cache_dtype, want):
     assert page(gqa_geo(8, 128), kv_cache_dtype) == want
 
 
+# vLLM 0.33.0 vllm/model_executor/layers/attention/mla_attention.py, MLAAttention.get_kv_cache_spec
+# (state_content_bytes 656 for fp8_ds_mla, 352 for nvfp4_ds_mla)
 @pytest.mark.parametrize(
     ("kv_cache_dtype", "want"),
     [
-        ("auto", 73_728),  # rules §4(e): 64*576*2
-        ("fp8", 36_864),  # rules §4(e)
-        ("fp8_ds_mla", 41_984),  # rules §4(e): 64*656
-        ("nvfp4_ds_mla", 22_528),  # rules §4(e): 64*352
+        ("auto", 73_728),  # 64*576*2
+        ("fp8", 36_864),  # 64*576*1
+        ("fp8_ds_mla", 41_984),  # 64*656
+        ("nvfp4_ds_mla", 22_528),  # 64*352
     ],
 )
 def test_deepseek_v3_mla_pages_block64(kv_cache_dtype, want):
@@ -234,54 +243,58 @@ def test_deepseek_v3_mla_pages_block64(kv_cache_dtype, want):
 
 
 def test_dsa_indexer_132_bytes_per_token():
-    # rules §7 table: head_size = 128 + 128 // 128 * 4 = 132, uint8 -> 132 B per token
+    # vLLM 0.33.0 vllm/model_executor/models/deepseek_v2.py, indexer cache spec:
+    # head_size = 128 + 128 // 128 * 4 = 132, uint8 -> 132 B per token
     assert indexer_head_size(128) == 132
     spec = indexer_spec(mla_geo(indexer_head_dim=128), block_size=1)
     assert spec.page_size_bytes == 132
-    assert spec.with_block_size(64).page_size_bytes == 8_448  # rules §16(e): 61*(41,984 + 8,448)
+    assert spec.with_block_size(64).page_size_bytes == 8_448  # 64 * 132
 
 
 def test_mla_ignores_tensor_parallel():
-    # rules §3(d): get_num_kv_heads returns 1 for MLA
+    # vLLM 0.33.0 ModelConfig.get_num_kv_heads returns 1 for MLA
     spec = attention_spec(mla_geo(), kind="full_attention", block_size=64, kv_cache_dtype="auto",
                           model_dtype="bfloat16", tensor_parallel_size=8)  # fmt: skip
     assert spec.page_size_bytes == 73_728
 
 
 def test_kv_heads_per_rank_floor_at_one():
-    # rules §3(d): models pass max(1, total_kv // tp)
+    # vLLM 0.33.0 ModelConfig.get_num_kv_heads: max(1, total_kv // tp)
     spec = attention_spec(gqa_geo(2, 128), kind="full_attention", block_size=16, kv_cache_dtype="auto",
                           model_dtype="bfloat16", tensor_parallel_size=8)  # fmt: skip
     assert spec.num_kv_heads == 1
     assert spec.page_size_bytes == 16 * 256 * 2
 
 
-# --------------------------------------------------------------------------- max memory per spec (§5)
+# --------------------------------------------------------------------------- max memory per spec
 
 
 def test_max_memory_full_attention():
-    # rules §5(e): block 16, P = 65,536, L = 8192 -> 512 * P = 33,554,432
+    # vLLM 0.33.0 FullAttentionSpec.max_memory_usage_bytes = cdiv(L, bs) * P: 512 * 65,536 = 33,554,432
     spec = attention_spec(gqa_geo(8, 128), kind="full_attention", block_size=16, kv_cache_dtype="auto",
                           model_dtype="bfloat16")  # fmt: skip
     assert spec.max_memory_usage_bytes(RuntimeSettings(max_model_len=8192)) == 33_554_432
 
 
 def test_max_memory_sliding_window_513_blocks():
-    # rules §5(e): SW 4096, L 8192, F = 2 * 2048: cdiv(min(4095 + 4096, 8192), 16) + 1 = 513
+    # vLLM 0.33.0 SlidingWindowSpec.max_memory_usage_bytes, SW 4096, L 8192, F = 2 * 2048:
+    # cdiv(min(4095 + 4096, 8192), 16) + 1 = 513
     geo = gqa_geo(8, 128, sliding_window=4096)
     rt = RuntimeSettings(max_model_len=8192, max_num_batched_tokens=2048, max_concurrent_batches=2)
     assert page_blocks(geo, "sliding_window", rt) == 513
 
 
 def test_max_memory_chunked_local_768_blocks():
-    # rules §5(e): chunk 8192, F = 4096, L = 131072: cdiv(12288, 16) = 768 (no +1)
+    # vLLM 0.33.0 ChunkedLocalAttentionSpec.max_memory_usage_bytes, chunk 8192, F = 4096, L = 131072:
+    # cdiv(12288, 16) = 768 (no +1)
     geo = gqa_geo(8, 128, attention_chunk_size=8192)
     rt = RuntimeSettings(max_model_len=131_072, max_num_batched_tokens=4096)
     assert page_blocks(geo, "chunked_local", rt) == 768
 
 
 def test_max_memory_cross_attention_128_blocks():
-    # rules §5(e): cross attention with max_num_batched_tokens = 2048 -> 128 blocks
+    # vLLM 0.33.0 CrossAttentionSpec.max_memory_usage_bytes = cdiv(max_num_encoder_input_tokens, bs) * P,
+    # and max_num_encoder_input_tokens = max_num_batched_tokens = 2048 -> 128 blocks
     rt = RuntimeSettings(max_model_len=131_072, max_num_batched_tokens=2048)
     assert page_blocks(gqa_geo(8, 128), "cross_attention", rt) == 128
 
@@ -297,9 +310,10 @@ def page_blocks(geo: AttentionGeometry, kind: str, rt: RuntimeSettings) -> int:
 @pytest.mark.parametrize(
     ("runtime", "pages"),
     [
-        ({}, 1),  # rules §12(e): none mode, 1 page per Mamba layer
-        ({"mamba_cache_mode": "align"}, 3),  # rules §12(e): align, Mamba2 checkpoint = 1
-        ({"mamba_cache_mode": "align", "num_speculative_tokens": 2}, 5),  # rules §12(e)
+        # vLLM 0.33.0 MambaSpec.max_memory_usage_bytes: none P * (1 + spec), align P * (2 + spec + ckpt)
+        ({}, 1),  # none mode: 1 page per Mamba layer
+        ({"mamba_cache_mode": "align"}, 3),  # align, Mamba2 checkpoint = 1: 2 + 0 + 1
+        ({"mamba_cache_mode": "align", "num_speculative_tokens": 2}, 5),  # align: 2 + 2 + 1
     ],
 )
 def test_mamba_pages_per_request(runtime, pages):
@@ -310,30 +324,33 @@ def test_mamba_pages_per_request(runtime, pages):
     assert state.max_memory_usage_bytes(s.runtime) == pages * state.page_size_bytes
 
 
-# --------------------------------------------------------------------------- Mamba shapes (§1, §11)
+# --------------------------------------------------------------------------- Mamba shapes (mamba_utils.py)
 
 
 def test_granite_tiny_state_shapes():
-    # rules §11(e): [(3,3328) bf16, (48,64,128) bf16] = 806,400 B
+    # vLLM 0.33.0 vllm/model_executor/layers/mamba/mamba_utils.py,
+    # MambaStateShapeCalculator.mamba2_state_shape: [(3,3328) bf16, (48,64,128) bf16] = 806,400 B
     assert state_shapes(StateGeometry(**GRANITE_TINY_STATE)) == ((3, 3328), (48, 64, 128))
     assert state_page_bytes(granite_tiny()) == 806_400
 
 
 def test_granite_tiny_tp2_extra_group():
-    # rules §9(e) e2: TP=2 -> G' = 2, conv_dim/2 = 1792, mamba 403,968 B
+    # vLLM 0.33.0 mamba2_state_shape + extra_groups_for_head_shards: TP=2 -> G' = 2, conv_dim/2 = 1792,
+    # mamba 403,968 B
     assert state_shapes(StateGeometry(**GRANITE_TINY_STATE), tp=2) == ((3, 1792), (24, 64, 128))
     assert state_page_bytes(granite_tiny(tensor_parallel_size=2)) == 403_968
 
 
 @pytest.mark.parametrize(("tp", "want"), [(1, 1_097_728), (2, 548_864)])
 def test_qwen3_next_gdn_state(tp, want):
-    # rules §11(e): Qwen3-Next GDN [(3,8192),(32,128,128)] bf16 = 1,097,728 B at TP1, 548,864 at TP2
+    # vLLM 0.33.0 MambaStateShapeCalculator.gated_delta_net_state_shape: Qwen3-Next GDN
+    # [(3,8192),(32,128,128)] bf16 = 1,097,728 B at TP1, 548,864 at TP2
     s = make_scenario(model("MMMA", gqa(2, 256), QWEN_NEXT_GDN), {"tensor_parallel_size": tp})
     assert state_page_bytes(s) == want
 
 
 def test_tp_divisibility_error_text():
-    # rules §1 divide(): f"{n} is not divisible by {d}"; Qwen3-Next conv_dim 8192 (rules §11(e)) at TP 3
+    # vLLM 0.33.0 vllm/distributed/utils.py divide(): f"{n} is not divisible by {d}"; conv_dim 8192 at TP 3
     with pytest.raises(ValueError, match=r"^8192 is not divisible by 3$"):
         state_shapes(StateGeometry(**QWEN_NEXT_GDN), tp=3)
     with pytest.raises(ValueError, match=r"^7 is not divisible by 2$"):
@@ -341,7 +358,8 @@ def test_tp_divisibility_error_text():
 
 
 def test_speculative_conv_rows_granite():
-    # rules §9(e) e2: num_speculative_tokens = 2 -> conv length 5 -> 819,712 B -> block 416
+    # mamba2_state_shape conv length K - 1 + num_spec = 5 -> 819,712 B; vLLM 0.33.0
+    # Platform._align_hybrid_block_size: 16 * cdiv(819,712, 16 * 2048) = 416
     s = granite_tiny(num_speculative_tokens=2)
     assert state_shapes(StateGeometry(**GRANITE_TINY_STATE), num_spec=2)[0] == (5, 3328)
     assert state_page_bytes(s) == 819_712
@@ -349,35 +367,38 @@ def test_speculative_conv_rows_granite():
 
 
 def test_mamba1_has_no_speculative_rows():
-    # rules §11(a): mamba1 conv = orient(divide(I, tp), K-1)   [no num_spec]
+    # vLLM 0.33.0 MambaStateShapeCalculator.mamba1_state_shape: conv = orient(divide(I, tp), K-1), no num_spec
     geo = StateGeometry(kind="mamba1", conv_kernel=4, intermediate_size=8192, d_state=16)
     assert state_shapes(geo, num_spec=3) == ((3, 8192), (8192, 16))
 
 
 def test_kda_and_short_conv_shapes():
-    # rules §9(e) e4: KDA conv (3, 12288) for 32 heads x 128; ssm (32,128,128)
+    # vLLM 0.33.0 MambaStateShapeCalculator.kda_state_shape: conv_dim = H*D + 2*H*D = 12288 for
+    # 32 heads x 128; ssm (32,128,128)
     kda = StateGeometry(kind="kda", conv_kernel=4, num_heads=32, head_dim=128)
     assert state_shapes(kda) == ((3, 12288), (32, 128, 128))
-    # rules §11(a): short_conv conv = orient(divide(I, tp), L_cache - 1 + num_spec), no recurrent state
+    # vLLM 0.33.0 MambaStateShapeCalculator.short_conv_state_shape:
+    # conv = orient(divide(I, tp), L_cache - 1 + num_spec), no recurrent state
     assert state_shapes(StateGeometry(kind="short_conv", conv_kernel=3, conv_dim=2048), num_spec=1) == (
         (3, 2048),
     )
 
 
 def test_ssm_dtype_resolution():
-    # rules §11(a): ssm auto -> the conv dtype (Qwen3-Next, Granite)
+    # vLLM 0.33.0 MambaStateDtypeCalculator: ssm auto -> the conv dtype (Qwen3-Next, Granite)
     assert mamba_dtypes("gdn", "bfloat16", "auto", "auto") == ("bfloat16", "bfloat16")
-    # rules §11(a): Qwen3.5 ssm auto -> hf_text_config.mamba_ssm_dtype (scenario ssm_dtype)
+    # vLLM 0.33.0 Qwen3.5 model class: ssm auto -> hf_text_config.mamba_ssm_dtype (scenario ssm_dtype)
     assert mamba_dtypes("gdn", "bfloat16", "auto", "auto", "float32") == ("bfloat16", "float32")
     # an explicit --mamba-ssm-cache-dtype wins over the model default
     assert mamba_dtypes("gdn", "bfloat16", "auto", "bfloat16", "float32") == ("bfloat16", "bfloat16")
-    # rules §11(a): KDA ssm auto -> float32
+    # vLLM 0.33.0 MambaStateDtypeCalculator (KDA): ssm auto -> float32
     assert mamba_dtypes("kda", "bfloat16", "auto", "auto") == ("bfloat16", "float32")
     assert mamba_dtypes("kda", "bfloat16", "auto", "bfloat16") == ("bfloat16", "bfloat16")
 
 
 def test_kda_float16_rejected_with_vllm_message():
-    # rules §11(a): ValueError("KDA recurrent state supports only auto, float32, and bfloat16; got {x}")
+    # vLLM 0.33.0 MambaStateDtypeCalculator (KDA):
+    # ValueError("KDA recurrent state supports only auto, float32, and bfloat16; got {x}")
     with pytest.raises(
         ValueError, match=r"^KDA recurrent state supports only auto, float32, and bfloat16; got float16$"
     ):
@@ -385,16 +406,17 @@ def test_kda_float16_rejected_with_vllm_message():
 
 
 def test_qwen35_state_is_fp32_through_scenario_ssm_dtype():
-    # rules §9(e) e3: (3*8192*2) + (32*128*128*4) = 2,146,304
+    # vLLM 0.33.0 MambaSpec.page_size_bytes: (3*8192*2) + (32*128*128*4) = 2,146,304
     s = make_scenario(model("MMMA", gqa(4, 256), QWEN35_GDN))
     assert state_page_bytes(s) == 2_146_304
 
 
-# --------------------------------------------------------------------------- hybrid alignment (§9)
+# --------------------------------------------------------------------------- hybrid alignment (interface.py)
 
 
 def test_granite_tiny_alignment_400():
-    # rules §9(e) e2: a1 = 2048, 16 * cdiv(806,400, 32,768) = 400, page 819,200, log "1.59%"
+    # vLLM 0.33.0 vllm/platforms/interface.py, Platform._align_hybrid_block_size: a1 = 2048,
+    # 16 * cdiv(806,400, 32,768) = 400, page 819,200, log "Padding mamba page size by 1.59%"
     a = hybrid_alignment(granite_tiny())
     assert (a.attn_page_bytes_per_token, a.state_page_bytes) == (2_048, 806_400)
     assert (a.block_size, a.page_size_bytes, a.state_page_padded_bytes) == (400, 819_200, 819_200)
@@ -404,11 +426,12 @@ def test_granite_tiny_alignment_400():
 @pytest.mark.parametrize(
     ("runtime", "block", "pct"),
     [
-        # rules §9(d): user --block-size 32 -> next multiple of itself covering 806,400 B -> 416
+        # _align_hybrid_block_size, k = max(kernel, block_size): a user --block-size 32 gives
+        # 32 * cdiv(806,400, 32 * 2048) = 416
         ({"block_size": 32, "user_specified_block_size": True}, 416, None),
-        ({"tensor_parallel_size": 2}, 400, "1.39"),  # rules §9(e) e2: TP = 2 -> 400 (1.39 %)
-        ({"mamba_ssm_cache_dtype": "float32"}, 784, None),  # rules §9(e) e2: 1,592,832 B -> 784
-        ({"mamba_cache_mode": "align"}, 400, "1.59"),  # rules §9(e) e2: Mamba2 has no checkpoint alignment
+        ({"tensor_parallel_size": 2}, 400, "1.39"),  # 16 * cdiv(403,968, 16 * 1024) = 400
+        ({"mamba_ssm_cache_dtype": "float32"}, 784, None),  # 16 * cdiv(1,592,832, 16 * 2048) = 784
+        ({"mamba_cache_mode": "align"}, 400, "1.59"),  # Mamba2: no checkpoint alignment, k stays 16
     ],
 )
 def test_granite_tiny_alignment_variants(runtime, block, pct):
@@ -421,7 +444,7 @@ def test_granite_tiny_alignment_variants(runtime, block, pct):
 
 
 def test_granite_small_528():
-    # rules §9(e) e2: Granite-4.0-H-Small: a1 4096, mamba 2,147,840 -> 528 (0.69 %)
+    # _align_hybrid_block_size, Granite-4.0-H-Small: 16 * cdiv(2,147,840, 16 * 4096) = 528 (0.69 %)
     s = make_scenario(model(GRANITE_LAYERS, gqa(8, 128), GRANITE_SMALL_STATE))
     a = hybrid_alignment(s)
     assert (a.attn_page_bytes_per_token, a.state_page_bytes, a.block_size) == (4_096, 2_147_840, 528)
@@ -431,7 +454,7 @@ def test_granite_small_528():
 @pytest.mark.parametrize(
     ("k", "block", "pct"),
     [(32, 160, "19.40"), (16, 144, "7.46"), (1, 134, "0.00"), (64, 192, None), (128, 256, None)],
-)  # rules §9(e) e1: 548,864 B state, 4,096 B/token, min 134.0; k=32 -> 160 ("19.40%"), 16 -> 144 (7.46 %)
+)  # _align_hybrid_block_size: k * cdiv(548,864, k * 4,096); min 134.0; k=32 -> 160, 16 -> 144
 def test_qwen35_reviewer_inputs(k, block, pct):
     a = align_hybrid_block_size(4_096, 548_864, kernel_block_alignment=k, block_size=min(k, 16))
     assert a.min_block_size == 134.0
@@ -439,29 +462,29 @@ def test_qwen35_reviewer_inputs(k, block, pct):
     assert a.page_size_bytes == block * 4_096
     if pct is not None:
         assert f"{a.padding_pct:.2f}" == pct
-    # k = 1 gives exact equality: no padding (mamba_page_size_padded stays None, rules §9(d))
+    # k = 1 gives exact equality: no padding (mamba_page_size_padded stays None, _align_hybrid_block_size)
     assert (a.state_page_padded_bytes is None) == (block == 134)
 
 
 def test_qwen35_reviewer_inputs_from_user_block_32():
-    # rules §9(e) e1: "A k of 32 arises from --block-size 32"
+    # _align_hybrid_block_size: k = max(kernel, block_size), so --block-size 32 gives k = 32
     assert align_hybrid_block_size(4_096, 548_864, kernel_block_alignment=16, block_size=32).block_size == 160
 
 
 def test_qwen35_reviewer_inputs_as_a_scenario():
-    # rules §9(e) e1: the 548,864 B state is Qwen3-Next GDN at TP 2; 4,096 B/token needs 4 local KV
+    # derived here: the 548,864 B state is Qwen3-Next GDN at TP 2; 4,096 B/token needs 4 local KV
     # heads x 256, i.e. 8 KV heads at TP 2; a first backend whose smallest kernel is 32 -> 160
     s = make_scenario(
         model("MMMA", gqa(8, 256), QWEN_NEXT_GDN), {"tensor_parallel_size": 2, "kernel_block_alignment": 32}
     )
     a = hybrid_alignment(s)
     assert (a.attn_page_bytes_per_token, a.state_page_bytes, a.block_size) == (4_096, 548_864, 160)
-    assert a.state_page_padded_bytes == 655_360  # rules §9(e) e1
+    assert a.state_page_padded_bytes == 655_360  # 160 * 4,096
 
 
 @pytest.mark.parametrize(("k", "block"), [(16, 272), (32, 288)])
 def test_two_kv_heads_variant(k, block):
-    # rules §9(e) e1: with a1 = 2048: min 268; k = 16 -> 272, k = 32 -> 288
+    # _align_hybrid_block_size, k * cdiv(548,864, k * 2,048): min 268; k = 16 -> 272, k = 32 -> 288
     assert (
         align_hybrid_block_size(2_048, 548_864, kernel_block_alignment=k, block_size=16).block_size == block
     )
@@ -469,8 +492,9 @@ def test_two_kv_heads_variant(k, block):
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_qwen35_e3_528_and_align_576(tp):
-    # rules §9(e) e3: TP1 mamba 2,146,304, a1 4096 -> 528 (0.76 %); align + FlashInfer GDN
-    # checkpoint alignment 64 -> 576 (9.92 %); "TP = 2 gives the same block sizes"
+    # vLLM 0.33.0 Platform._align_hybrid_block_size: TP1 mamba 2,146,304, a1 4096 -> 528 (0.76 %); align
+    # mode with the FlashInfer GDN prefill checkpoint alignment 64 (get_mamba_prefill_checkpoint_alignment):
+    # k = lcm(16, 64) -> 576 (9.92 %); TP 2 halves both pages, so the block sizes are the same
     m = model("MMMA", gqa(4, 256), QWEN35_GDN)
     none = hybrid_alignment(make_scenario(m, {"tensor_parallel_size": tp}))
     align = hybrid_alignment(
@@ -485,20 +509,21 @@ def test_qwen35_e3_528_and_align_576(tp):
 
 
 def test_qwen35_e3_extra_alignment_ignored_in_none_mode():
-    # rules §9(a): the checkpoint lcm applies only "if mamba_cache_mode == 'align'"
+    # vLLM 0.33.0 _align_hybrid_block_size: the checkpoint lcm applies only in align mode
     s = make_scenario(model("MMMA", gqa(4, 256), QWEN35_GDN), {"extra_block_alignment": 64})
     assert hybrid_alignment(s).block_size == 528
 
 
 def test_qwen35_e3_mtp_exact_page_no_padding():
-    # rules §9(e) e3: MTP 1 -> mamba 2,162,688 = 528 * 4096 exactly, no padding log
+    # _align_hybrid_block_size: MTP 1 -> mamba 2,162,688 = 528 * 4096 exactly, no padding log
     a = hybrid_alignment(make_scenario(model("MMMA", gqa(4, 256), QWEN35_GDN), {"num_speculative_tokens": 1}))
     assert (a.state_page_bytes, a.block_size, a.state_page_padded_bytes) == (2_162_688, 528, None)
 
 
 def test_e4_mla_floor_1920():
-    # rules §9(e) e4: MLA D=576 bf16 (a1 1152) + KDA-like state (3,12288) bf16 + (32,128,128) fp32
-    # = 2,170,880; MLA floor k = 128 -> 128 * 15 = 1920 (1.89 %)
+    # vLLM 0.33.0 _align_hybrid_block_size, MLA branch: D=576 bf16 (a1 1152) + KDA-like state
+    # (3,12288) bf16 + (32,128,128) fp32 = 2,170,880; MLA floor k = 128 -> 128 * cdiv(2,170,880, 128 * 1152)
+    # = 128 * 15 = 1920 (1.89 %)
     kda = {"kind": "kda", "num_heads": 32, "head_dim": 128, "conv_kernel": 4}
     mla = {"kind": "mla", "kv_lora_rank": 512, "qk_rope_head_dim": 64}
     a = hybrid_alignment(make_scenario(model("MMMA", mla, kda)))
@@ -507,7 +532,8 @@ def test_e4_mla_floor_1920():
 
 
 def test_e5_turboquant_hybrid_without_skip_layers():
-    # rules §9(e) e5: tq = 4 * 388 = 1552 B/token; 16 * cdiv(2,146,304, 24,832) = 1392 (0.66 %)
+    # _align_hybrid_block_size, TurboQuant branch: tq = 4 * 388 = 1552 B/token;
+    # 16 * cdiv(2,146,304, 24,832) = 1392 (0.66 %)
     s = make_scenario(model("MMMA", gqa(4, 256), QWEN35_GDN), {"kv_cache_dtype": "turboquant_k8v4"})
     a = hybrid_alignment(s)
     assert (a.attn_page_bytes_per_token, a.block_size) == (1_552, 1_392)
@@ -516,15 +542,15 @@ def test_e5_turboquant_hybrid_without_skip_layers():
 
 def test_qwen36_turboquant_k8v4_2768():
     # packaged scenario's [expect.external]: the TurboQuant run log "Setting attention block size to
-    # 2768 tokens", "Padding mamba page size by 0.08%"; slot = 256 + 132 = 388 B per head (rules §4(e))
+    # 2768 tokens", "Padding mamba page size by 0.08%"; slot = 256 + 132 = 388 B per head (TurboQuant config)
     a = hybrid_alignment(load_scenario("qwen3.6-35b-a3b-turboquant-k8v4"))
     assert (a.attn_page_bytes_per_token, a.block_size) == (776, 2_768)
     assert f"{a.padding_pct:.2f}" == "0.08"
 
 
 def test_qwen35_08b_544_fp32_and_288_bf16():
-    # metal A.2: Qwen3.5-0.8B resolves to block 544 (PR texts #584, #235): attn 2048 B/token,
-    # mamba 3*6144*2 + 16*128*128*4 = 1,085,440; with a bf16 recurrent state it would be 288
+    # vllm-metal#584, #235: Qwen3.5-0.8B resolves to block 544; attn 2048 B/token, mamba
+    # 3*6144*2 + 16*128*128*4 = 1,085,440 -> 16 * cdiv(1,085,440, 16 * 2048) = 544; bf16 state -> 288
     m = model("MMMA" * 6, gqa(2, 256), QWEN35_08B_GDN)
     fp32 = hybrid_alignment(make_scenario(m))
     bf16 = hybrid_alignment(make_scenario(m, {"mamba_ssm_cache_dtype": "bfloat16"}))
@@ -533,13 +559,14 @@ def test_qwen35_08b_544_fp32_and_288_bf16():
 
 
 def test_non_hybrid_has_no_alignment():
-    # rules §9(a): it runs only if model_config.is_hybrid
+    # vLLM 0.33.0 _align_hybrid_block_size runs only if model_config.is_hybrid
     assert hybrid_alignment(make_scenario(model("A" * 4, gqa(8, 128)))) is None
 
 
-# --------------------------------------------------------------------------- unification (§14, env §3)
+# --------------------------------------------------------------------------- unification (kv_cache_planning)
 
-# anchors §4.1 (older vLLM unify_kv_cache_spec_page_size); the error vllm-metal #230 reported
+# vLLM's unify_kv_cache_spec_page_size (vllm/v1/core/kv_cache_utils.py) before vllm#45181 / #45207;
+# the error vllm-metal#230 and vllm#38979 report
 SCALE_ONLY_TEXT = (
     "The page size of the layer is not divisible by the maximum page size. "
     "Cannot unify by adjusting block_size."
@@ -547,7 +574,7 @@ SCALE_ONLY_TEXT = (
 
 
 def mla_text(layer: str) -> str:
-    # rules §14(c): vLLM 0.33.0's exact NotImplementedError text
+    # vLLM 0.33.0 vllm/v1/core/kv_cache_planning.py, unify_kv_cache_spec_page_size: exact NotImplementedError
     return (
         f"Layer {layer}: page size is not divisible by the maximum page size and cannot be padded. "
         "Padding is only supported for non-MLA attention layers."
@@ -558,14 +585,16 @@ ENV_MAMBA = MambaSpec(block_size=16, shapes=((4, 2048), (32, 64, 128)), dtypes=(
 
 
 def test_env_spec_api_pages():
-    # env §3: FullAttentionSpec(16, 8, 128, bf16) 65536; MLA(16, 1, 576, bf16) 18432; the Mamba 1,064,960
+    # vLLM 0.33.0 page_size_bytes: FullAttentionSpec(16, 8, 128, bf16) 65536; MLA(16, 1, 576, bf16) 18432;
+    # MambaSpec((4, 2048) bf16 + (32, 64, 128) fp32) = 16,384 + 1,048,576 = 1,064,960
     assert fa(8).page_size_bytes == 65_536
     assert AttentionSpec("mla", 16, 1, 576, "bfloat16").page_size_bytes == 18_432
     assert ENV_MAMBA.page_size_bytes == 1_064_960
 
 
 def test_pad_to_max_pads_non_mla_attention_to_mamba():
-    # env §3: unify({"a": fa, "m": m}) -> FA keeps block 16, page_size_padded 1,064,960
+    # vLLM 0.33.0 unify_kv_cache_spec_page_size pads non-MLA attention (vllm#45181): 1,064,960 % 65,536 != 0,
+    # so FA keeps block 16 with page_size_padded 1,064,960
     out = unify_page_sizes({"a": fa(8), "m": ENV_MAMBA}, "pad-to-max")
     assert (out["a"].block_size, out["a"].page_size_padded) == (16, 1_064_960)
     assert out["m"] == ENV_MAMBA
@@ -573,20 +602,20 @@ def test_pad_to_max_pads_non_mla_attention_to_mamba():
 
 @pytest.mark.parametrize("policy", ["pad-to-max", "scale-only", "lcm"])
 def test_fa8_plus_fa4_scales_block_to_32(policy):
-    # env §3: unify({FA 8 heads, FA 4 heads}) -> the 4-head layer's block_size becomes 32 (page 65536)
+    # unify_kv_cache_spec_page_size scales a dividing page: the 4-head layer's block_size becomes 32 (65536)
     out = unify_page_sizes({"a": fa(8), "b": fa(4)}, policy)
     assert (out["b"].block_size, out["b"].page_size_bytes, out["b"].page_size_padded) == (32, 65_536, None)
     assert out["a"] == fa(8)
 
 
 def test_fa3_is_padded_under_pad_to_max():
-    # env §3: unify({FA 8 heads, FA 3 heads}) -> 3-head layer padded to 65536 (not divisible)
+    # unify_kv_cache_spec_page_size: the 3-head layer is padded to 65536 (24,576 does not divide it)
     out = unify_page_sizes({"a": fa(8), "b": fa(3)}, "pad-to-max")
     assert (out["b"].block_size, out["b"].page_size_padded) == (16, 65_536)
 
 
 def test_scale_only_raises_old_text():
-    # anchors §4.1: older vLLM raises NotImplementedError with this exact text
+    # vLLM before vllm#45181 / #45207 raised NotImplementedError with this exact text
     with pytest.raises(NotImplementedError) as exc:
         unify_page_sizes({"a": fa(8), "b": fa(3)}, "scale-only")
     assert str(exc.value) == SCALE_ONLY_TEXT
@@ -606,14 +635,15 @@ def test_scale_only_smaller_mamba_trips_assertion():
 
 
 def test_draft_scales_target_block():
-    # rules §14(e): target attention 32,768 B (block 16) + draft 65,536 B -> target block 32
+    # vLLM 0.33.0 unify_kv_cache_spec_page_size: target attention 32,768 B (block 16) + draft 65,536 B
+    # -> target block 32
     out = unify_page_sizes({"target": fa(4), "draft": fa(8)})
     assert out["target"].block_size == 32
 
 
 def test_mla_target_pads_smaller_swa_draft():
-    # rules §14(e): MLA 1152 B/token at block 64 (73,728) + SWA draft 1024 B/token at 64 (65,536):
-    # the SWA page is padded to 73,728 (11.1 % waste)
+    # vLLM 0.33.0 unify_kv_cache_spec_page_size, pad branch: MLA 1152 B/token at block 64 (73,728) +
+    # SWA draft 1024 B/token at 64 (65,536): the SWA page is padded to 73,728 (11.1 % waste)
     mla = AttentionSpec("mla", 64, 1, 576, "bfloat16")
     swa = AttentionSpec("sliding_window", 64, 2, 128, "bfloat16", sliding_window=4096)
     out = unify_page_sizes({"mla": mla, "draft": swa})
@@ -623,7 +653,7 @@ def test_mla_target_pads_smaller_swa_draft():
 
 
 def test_mla_not_dividing_raises_vllm_033_text():
-    # rules §14(e): "in the reverse direction (MLA smaller and not dividing) -> NotImplementedError"
+    # unify_kv_cache_spec_page_size: an MLA page that is smaller and does not divide -> NotImplementedError
     mla = AttentionSpec("mla", 64, 1, 576, "bfloat16")  # 73,728
     big = AttentionSpec("full_attention", 64, 8, 128, "bfloat16")  # 262,144, not a multiple of 73,728
     with pytest.raises(NotImplementedError) as exc:
@@ -642,8 +672,9 @@ def test_lcm_policy_rounds_target_up_for_mla():
 
 
 def test_granite_with_dense_draft():
-    # rules §14(e): Granite-Tiny (P = 819,200) + a 3072 B/token draft x 400 = 1,228,800: target
-    # attention padded at block 400, Mamba padded; a 4096 B/token draft (2P): target block 800
+    # vLLM 0.33.0 unify_kv_cache_spec_page_size: Granite-Tiny (P = 819,200) + a 3072 B/token draft x 400
+    # = 1,228,800: target attention padded at block 400, Mamba padded; a 4096 B/token draft (2P): target
+    # block 800
     s = granite_tiny()
     specs = layer_specs(s, hybrid_alignment(s))
     attn, mixer = "model.layers.5.self_attn", "model.layers.0.mixer"
@@ -694,28 +725,30 @@ def test_unknown_policy():
         unify_page_sizes({"a": fa(8), "b": fa(4)}, "round-robin")
 
 
-# --------------------------------------------------------------------------- grouping (§15, §16)
+# --------------------------------------------------------------------------- grouping (kv_cache_planning)
 
 
 def test_granite_tiny_10_groups_of_4():
-    # rules §15(e): 4 attention + 36 Mamba, group_size = 4 -> 1 attention + 9 Mamba groups
+    # vLLM 0.33.0 _get_kv_cache_groups_uniform_page_size: 4 attention + 36 Mamba, group_size = 4 ->
+    # 1 attention + 9 Mamba groups
     s = granite_tiny()
     groups = get_kv_cache_groups(layer_specs(s, hybrid_alignment(s)))
     assert len(groups) == 10
     assert [len(g.layer_names) for g in groups] == [4] * 10
     assert group_size(groups) == 4
-    assert bytes_per_block(groups) == 3_276_800  # rules §16(e): 4 * 819,200
+    assert bytes_per_block(groups) == 3_276_800  # _get_kv_cache_bytes_per_block: 4 * 819,200
 
 
 def test_group_size_rule():
-    # rules §15(a): min, but max when max < 1.5 * min
-    assert group_size_for([52, 10]) == 10  # rules §15(e) Gemma-3-27B-like
-    assert group_size_for([12, 13]) == 13  # rules §15(e) gpt-oss + EAGLE draft
-    assert group_size_for([4, 36]) == 4  # rules §15(e) Granite
+    # vLLM 0.33.0 _get_kv_cache_groups_uniform_page_size: min, but max when max < 1.5 * min
+    assert group_size_for([52, 10]) == 10  # Gemma-3-27B-like: 52 SW + 10 full
+    assert group_size_for([12, 13]) == 13  # gpt-oss + EAGLE draft: 12 SW + 13 full
+    assert group_size_for([4, 36]) == 4  # Granite: 4 attention + 36 Mamba
 
 
 def test_gemma3_27b_like_52_sw_plus_10_full():
-    # rules §15(e): group_size 10, SW -> 6 groups [9,9,9,9,8,8] (strided), bytes_per_block = 10 * P
+    # _get_kv_cache_groups_uniform_page_size: group_size 10, SW -> 6 groups [9,9,9,9,8,8] (strided),
+    # bytes_per_block = 10 * P
     layers = "".join("A" if i % 6 == 5 and i < 60 else "S" for i in range(62))
     assert (layers.count("S"), layers.count("A")) == (52, 10)
     s = make_scenario(model(layers, gqa(16, 128, sliding_window=1024)))
@@ -731,12 +764,13 @@ def test_gemma3_27b_like_52_sw_plus_10_full():
 
 
 def gpt_oss(layers: str, **runtime: Any) -> Scenario:
-    # rules §17(e): gpt-oss-20b-like: 8 KV heads x 64, P = 32,768 at block 16, sliding window 128
+    # openai/gpt-oss-20b-like: 8 KV heads x 64, P = 32,768 at block 16, sliding window 128
     return make_scenario(model(layers, gqa(8, 64, sliding_window=128)), runtime, "gpt-oss-like")
 
 
 def test_gpt_oss_two_groups_of_12():
-    # rules §15(e): gpt-oss-20b (12 SW + 12 full): 2 groups x 12; bytes_per_block = 393,216 (§17(e))
+    # _get_kv_cache_groups_uniform_page_size: gpt-oss-20b (12 SW + 12 full): 2 groups x 12;
+    # bytes_per_block = 12 * 32,768 = 393,216
     groups = get_kv_cache_groups(layer_specs(gpt_oss("SA" * 12)))
     assert sorted((g.kind, len(g.layer_names)) for g in groups) == [
         ("full_attention", 12),
@@ -746,14 +780,15 @@ def test_gpt_oss_two_groups_of_12():
 
 
 def test_gpt_oss_with_eagle_draft_group_size_13():
-    # rules §15(e): 12 SW + 13 full -> group_size = 13 ("Add 1 padding layers")
+    # 13 < 1.5 * 12, so group_size = max = 13 (log "Add 1 padding layers")
     groups = get_kv_cache_groups(layer_specs(gpt_oss("SA" * 12 + "A")))
     assert len(groups) == 2
     assert group_size(groups) == 13
 
 
 def test_gpt_oss_needed_memory():
-    # rules §17(e): L = 131,072, F = 2 x 8192: SW 1033 blocks, full 8192; needed = 9225 * bpb = 3.38 GiB
+    # vLLM 0.33.0 max_memory_usage_bytes, L = 131,072, F = 2 x 8192: SW cdiv(127 + 16,384, 16) + 1 = 1033
+    # blocks, full 8192; needed = 9225 * bpb = 3.38 GiB
     s = gpt_oss("SA" * 12, max_model_len=131_072, max_num_batched_tokens=8192, max_concurrent_batches=2)
     groups = get_kv_cache_groups(layer_specs(s))
     per_kind = {g.kind: g.blocks_per_request(s.runtime) for g in groups}
@@ -763,26 +798,27 @@ def test_gpt_oss_needed_memory():
 
 
 def deepseek_v32(**runtime: Any) -> Scenario:
-    # rules §16(e): 61 layers; fp8_ds_mla 656 + indexer 132 B per token, block 64
+    # deepseek-ai/DeepSeek-V3.2-like: 61 layers; fp8_ds_mla 656 + indexer 132 B per token, block 64
     mla = {"kind": "mla", "kv_lora_rank": 512, "qk_rope_head_dim": 64, "indexer_head_dim": 128}
     rt = {"block_size": 64, "kernel_block_alignment": 64, "kv_cache_dtype": "fp8_ds_mla", **runtime}
     return make_scenario(model("A" * 61, mla), rt, "deepseek-v3.2-like")
 
 
 def test_deepseek_v32_uniform_type_group():
-    # rules §16(e): one UniformTypeKVCacheSpecs group, bytes_per_block = 61 * (41,984 + 8,448) = 3,076,352
+    # vLLM 0.33.0 UniformTypeKVCacheSpecs.from_specs: one group, bytes_per_block = 61 * (41,984 + 8,448)
+    # = 3,076,352
     groups = get_kv_cache_groups(layer_specs(deepseek_v32()))
     assert [g.kind for g in groups] == ["uniform_type"]
     assert len(groups[0].layer_names) == 122
     assert bytes_per_block(groups) == 3_076_352
-    assert groups[0].page_size_bytes == 3_076_352  # UniformTypeKVCacheSpecs page = sum (rules §5)
+    assert groups[0].page_size_bytes == 3_076_352  # UniformTypeKVCacheSpecs page = sum of the layers'
     p = plan(deepseek_v32())
     assert (p.attn_bytes_per_token_per_layer, p.indexer_bytes_per_token_per_layer) == (656, 132)
 
 
-# --------------------------------------------------------------------------- memory (§17, §19)
+# --------------------------------------------------------------------------- memory (kv_cache_planning)
 
-LLAMA_LIKE = model("A" * 32, gqa(8, 128))  # rules §16(e): 32 layers, P = 65,536 -> bpb 2 MiB
+LLAMA_LIKE = model("A" * 32, gqa(8, 128))  # _get_kv_cache_bytes_per_block: 32 x 65,536 -> 2 MiB
 
 
 def llama(**runtime: Any) -> Scenario:
@@ -790,12 +826,12 @@ def llama(**runtime: Any) -> Scenario:
 
 
 def test_llama_like_bytes_per_block():
-    assert plan(llama()).bytes_per_block == 2 * MiB  # rules §16(e): 2,097,152
+    assert plan(llama()).bytes_per_block == 2 * MiB  # 32 * 65,536 = 2,097,152
 
 
 def test_not_enough_memory_exact_text():
-    # rules §17(c)+(e): needed 512 * 2 MiB = 1.0 GiB; check = 1 GiB - 2 MiB -> "(1.0 GiB" twice;
-    # estimate 8176 = 511 blocks * 16
+    # vLLM 0.33.0 _check_enough_kv_cache_memory text: needed 512 * 2 MiB = 1.0 GiB; check = 1 GiB - 2 MiB
+    # (the null block) -> "(1.0 GiB" twice; estimate 8176 = 511 blocks * 16
     p = plan(llama(kv_cache_memory_bytes=GiB))
     assert p.admission == (
         "To serve at least one request with the model's max seq len (8192), (1.0 GiB KV cache is "
@@ -807,17 +843,17 @@ def test_not_enough_memory_exact_text():
     )
     assert p.admission.count("(1.0 GiB") == 2
     assert (p.needed_bytes, p.available_bytes, p.max_model_len_estimate) == (GiB, GiB - 2 * MiB, 8176)
-    assert p.num_blocks == 512  # available // bpb counts the full memory (rules §17(a))
+    assert p.num_blocks == 512  # available // bpb counts the full memory (get_kv_cache_configs)
 
 
 def test_ten_gib_5120_blocks():
-    # rules §17(e): avail = 10 GiB -> num_blocks = 5120 (5119 usable)
+    # vLLM 0.33.0 get_kv_cache_configs: 10 GiB // 2 MiB = 5120 blocks (5119 usable; BlockPool's null block)
     p = plan(llama(kv_cache_memory_bytes=10 * GiB))
     assert (p.num_blocks, p.admission) == (5120, "ok")
 
 
 def test_needed_equal_to_check_passes():
-    # rules §17(d): needed == check passes (strict > test)
+    # _check_enough_kv_cache_memory: needed == check passes (strict > test)
     p = plan(llama(kv_cache_memory_bytes=GiB + 2 * MiB))
     assert p.needed_bytes == p.available_bytes == GiB
     assert p.admission == "ok"
@@ -827,15 +863,15 @@ NO_MEMORY_TEXT = (
     "No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when initializing "
     "the engine (this flag also controls CPU memory reservation on the CPU backend, despite its name). "
     "See https://docs.vllm.ai/en/latest/configuration/conserving_memory/ for more details."
-)  # rules §17(c)
+)  # vLLM 0.33.0 _check_enough_kv_cache_memory
 
 
 @pytest.mark.parametrize(
     "runtime",
     [
-        {"kv_cache_memory_bytes": 2 * MiB},  # rules §17(d): avail <= bytes_per_block -> check <= 0
+        {"kv_cache_memory_bytes": 2 * MiB},  # avail <= bytes_per_block -> check <= 0
         {"kv_cache_memory_bytes": MiB},
-        {"num_gpu_blocks_override": 1},  # rules §17(d): override 1 -> check = 0
+        {"num_gpu_blocks_override": 1},  # override 1 -> check = 0 (the null block)
     ],
 )
 def test_no_available_memory_text(runtime):
@@ -845,20 +881,21 @@ def test_no_available_memory_text(runtime):
 
 
 def test_override_replaces_available_memory():
-    # rules §17(a): avail_w = override * bpb_w
+    # vLLM 0.33.0 get_kv_cache_configs: avail_w = num_gpu_blocks_override * bpb_w
     p = plan(llama(num_gpu_blocks_override=600))
     assert (p.num_blocks, p.available_bytes, p.admission) == (600, 599 * 2 * MiB, "ok")
 
 
 def test_granite_tiny_8gib():
-    # rules §19(e): 8 GiB // 3,276,800 = 2621 blocks; 82 + 9 = 91 per request -> 28.80x
+    # vLLM 0.33.0 get_max_concurrency_for_kv_cache_config: 8 GiB // 3,276,800 = 2621 blocks;
+    # cdiv(32,768, 400) + 9 = 91 per request -> 2621 / 91 = 28.80x
     p = plan(granite_tiny(max_model_len=32_768, kv_cache_memory_bytes=8 * GiB))
     assert (p.bytes_per_block, p.num_blocks, p.blocks_per_request) == (3_276_800, 2621, 91)
     assert f"{p.max_concurrency:.2f}" == "28.80"
 
 
 def test_granite_tiny_8gib_align_mode():
-    # rules §19(e): align mode: 82 + 27 = 109 blocks per request -> 24.05x
+    # align mode (MambaSpec: 3 pages): 82 + 27 = 109 blocks per request -> 2621 / 109 = 24.05x
     p = plan(granite_tiny(max_model_len=32_768, kv_cache_memory_bytes=8 * GiB, mamba_cache_mode="align"))
     assert p.blocks_per_request == 109
     assert f"{p.max_concurrency:.2f}" == "24.05"
@@ -866,8 +903,8 @@ def test_granite_tiny_8gib_align_mode():
 
 @pytest.mark.parametrize(("mode", "blocks", "gib"), [("none", 328 + 9, "1.03"), ("align", 328 + 27, "1.08")])
 def test_granite_tiny_131k_needed(mode, blocks, gib):
-    # rules §17(e): L = 131,072: none (328 + 9) * bpb = 1,104,281,600 B (1.03 GiB); align 1.08 GiB;
-    # 20 GiB -> 6553 blocks
+    # vLLM 0.33.0 get_kv_cache_configs, L = 131,072: none (328 + 9) * bpb = 1,104,281,600 B (1.03 GiB);
+    # align (328 + 27) * bpb = 1.08 GiB; 20 GiB // 3,276,800 = 6553 blocks
     p = plan(granite_tiny(max_model_len=131_072, kv_cache_memory_bytes=20 * GiB, mamba_cache_mode=mode))
     assert p.needed_bytes == blocks * 3_276_800
     assert format_gib(p.needed_bytes) == gib
@@ -877,7 +914,7 @@ def test_granite_tiny_131k_needed(mode, blocks, gib):
 
 
 def test_vllm_golden_estimate_max_model_len():
-    # anchors §4.1, vLLM tests/v1/core/test_kv_cache_utils.py::test_estimate_max_model_len:
+    # vLLM tests/v1/core/test_kv_cache_utils.py::test_estimate_max_model_len:
     # 32 layers, 32 KV heads, head 128, fp16, block 16, 8 GiB -> 16385 estimates 16384; 16383 -> 16383
     s = make_scenario(model("A" * 32, gqa(32, 128), dtype="float16"), {"max_model_len": 16_385})
     groups = get_kv_cache_groups(layer_specs(s))
@@ -887,7 +924,7 @@ def test_vllm_golden_estimate_max_model_len():
 
 
 def test_estimate_zero_when_one_token_does_not_fit():
-    # rules §17(a): "It returns 0 if L = 1 does not fit"
+    # vLLM 0.33.0 estimate_max_model_len (kv_cache_planning.py) returns 0 if L = 1 does not fit
     groups = get_kv_cache_groups(layer_specs(llama()))
     assert estimate_max_model_len(groups, llama().runtime, 2 * MiB - 1) == 0
     assert estimate_max_model_len(groups, llama().runtime, 2 * MiB) == 16
@@ -896,7 +933,7 @@ def test_estimate_zero_when_one_token_does_not_fit():
 @pytest.mark.parametrize(
     ("num_bytes", "text"),
     [(GiB, "1.0"), (GiB - 2 * MiB, "1.0"), (GiB + GiB // 2, "1.5"), (1_104_281_600, "1.03"), (0, "0.0")],
-)  # rules §1: f"{round(b / 2**30, 2)}" (so 1.0, not 1.00); §17(e) 1.03 GiB
+)  # vLLM 0.33.0 vllm/utils/mem_utils.py, format_gib: f"{round(b / 2**30, 2)}" (so 1.0, not 1.00)
 def test_format_gib(num_bytes, text):
     assert format_gib(num_bytes) == text
 
@@ -906,18 +943,18 @@ def test_check_memory_needs_groups():
         check_memory([], RuntimeSettings())
 
 
-# --------------------------------------------------------------------------- vllm-metal (metal A, F)
+# --------------------------------------------------------------------------- vllm-metal @ 211a1e4
 
 
 @pytest.mark.parametrize(
     ("block", "kernel"), [(160, 32), (544, 32), (144, 16), (48, 16), (24, 8), (1808, 16), (32, 32), (8, 8)]
-)  # metal A.3 table ("confirmed by running the code" upstream)
+)  # vllm-metal attention/impls/sdpa.py, _pick_kernel_block_size: the largest of (32, 16, 8) dividing
 def test_pick_kernel_block_size(block, kernel):
     assert pick_kernel_block_size(block) == kernel
 
 
 def test_pick_kernel_block_size_error_text():
-    # metal A.3: vllm-metal's ValueError text
+    # vllm-metal attention/impls/sdpa.py, _pick_kernel_block_size: the ValueError text
     with pytest.raises(ValueError) as exc:
         pick_kernel_block_size(7)
     assert str(exc.value) == (
@@ -927,7 +964,7 @@ def test_pick_kernel_block_size_error_text():
 
 
 def test_build_block_tables_example():
-    # metal A.3 / F: _build_block_tables([[0,2],[1]], 160) -> kbs 32, padding block 0 expanded too
+    # vllm-metal sdpa.py, _build_block_tables([[0,2],[1]], 160) -> kbs 32, padding block 0 expanded too
     assert build_block_tables([[0, 2], [1]], 160) == (
         [[0, 1, 2, 3, 4, 10, 11, 12, 13, 14], [5, 6, 7, 8, 9, 0, 1, 2, 3, 4]],
         32,
@@ -935,27 +972,32 @@ def test_build_block_tables_example():
 
 
 def test_build_block_tables_fast_path_and_empty():
-    # metal A.3: a kernel-sized block only zero-pads the rows; no rows -> (empty, cache_block_size)
+    # vllm-metal sdpa.py, _build_block_tables: a kernel-sized block only zero-pads the rows;
+    # no rows -> (empty, cache_block_size)
     assert build_block_tables([[3], [1, 2]], 16) == ([[3, 0], [1, 2]], 16)
     assert build_block_tables([], 544) == ([], 544)
 
 
 def test_metal_one_sequence_bytes_vector():
-    # metal F: L=4, H=4, D=64, fp16, max_model_len 2048, bs 400 -> 2*4*2400*4*64*2 (2400 = 6 x 400)
+    # vllm-metal#229, tests/test_v1_worker.py::TestOneSequenceKvBytes::
+    # test_block_alignment_rounds_up_token_count:
+    # L=4, H=4, D=64, fp16, max_model_len 2048, bs 400 -> 2*4*2400*4*64*2 (2400 = 6 x 400)
     s = make_scenario(model("AAAA", gqa(4, 64), dtype="float16"), {"max_model_len": 2048})
     assert one_sequence_kv_bytes(s, 400) == 2 * 4 * 2400 * 4 * 64 * 2
 
 
 def test_metal_one_sequence_mla_latent_only():
-    # metal C #233 / A.5: MLA kv_factor = 1 (one latent of kv_lora_rank + rope), not 2x
+    # vllm-metal#233, ModelCachePolicy.estimate_one_sequence_kv_bytes: MLA kv_factor = 1 (one latent of
+    # kv_lora_rank + rope), not 2x
     mla = {"kind": "mla", "kv_lora_rank": 512, "qk_rope_head_dim": 64}
     s = make_scenario(model("AA", mla), {"max_model_len": 100})
     assert one_sequence_kv_bytes(s, 16) == 2 * 112 * 576 * 2  # 112 = cdiv(100, 16) * 16
 
 
 def test_metal_gdn_recurrent_state_is_fp32():
-    # metal C #243 / A.5: linear_cache_bytes_per_slot = (K-1)*conv_dim*dtype + Hv*Dv*Dk*4, even when the
-    # model's ssm dtype resolves to bf16: Qwen3.5-0.8B-like 3*6144*2 + 16*128*128*4 = 1,085,440
+    # vllm-metal#243, v1/cache_policy.py linear_cache_bytes_per_slot = (K-1)*conv_dim*dtype + Hv*Dv*Dk*4,
+    # even when the model's ssm dtype resolves to bf16: Qwen3.5-0.8B-like 3*6144*2 + 16*128*128*4
+    # = 1,085,440
     m = model("MMMA", gqa(2, 256), {**QWEN35_08B_GDN, "ssm_dtype": "auto"})
     s = make_scenario(m, {"max_model_len": 32})
     assert linear_cache_bytes_per_slot(s) == 1_085_440
@@ -968,11 +1010,12 @@ def test_metal_gdn_recurrent_state_is_fp32():
 @pytest.mark.parametrize(
     ("args", "want"),
     [
-        ((16, 8, 128, "q8_0", "q8_0"), 35_840),  # 16*8*256 + 3*16*8*4*2 (metal A.5 formula)
+        # vllm-metal v1/cache_policy.py, turboquant_page_size_bytes: packed K + packed V + 3 fp16 scales
+        ((16, 8, 128, "q8_0", "q8_0"), 35_840),  # 16*8*256 + 3*16*8*4*2
         ((16, 8, 128, "q4_0", "q4_0"), 19_456),
-        ((1, 1, 128, "q8_0", "q3_0"), 200),  # metal A.5: 200 B per token per head
-        ((1, 1, 128, "q4_0", "q4_0"), 152),  # metal A.5: 152 B (3.37x, PR #472)
-        ((1, 4, 128, "q4_0", "q4_0"), 608),  # metal F: tq1 = 608 B/token
+        ((1, 1, 128, "q8_0", "q3_0"), 200),  # 128 + 48 + 3*4*2 = 200 B per token per head
+        ((1, 1, 128, "q4_0", "q4_0"), 152),  # 64 + 64 + 24 = 152 B (3.37x, vllm-metal#472)
+        ((1, 4, 128, "q4_0", "q4_0"), 608),  # tq1 = 4 * 152 B/token (tests/test_turboquant_hybrid_sizing.py)
     ],
 )
 def test_metal_turboquant_page(args, want):
@@ -980,8 +1023,10 @@ def test_metal_turboquant_page(args, want):
 
 
 def test_metal_turboquant_realign_vector():
-    # metal F: tq1 608 B/token, mamba ((3,8192),(32,128,128)) fp16 = 1,097,728 -> block 1808,
-    # padded mamba 1,099,264; user or hash block 64 -> 1856; kernel 1808 -> 16 x 113
+    # vllm-metal platform.py, _realign_hybrid_block_size_for_turboquant (vllm-metal#472,
+    # tests/test_turboquant_hybrid_sizing.py):
+    # tq1 608 B/token, mamba ((3,8192),(32,128,128)) fp16 = 1,097,728 -> 16 * cdiv(1,097,728, 16 * 608)
+    # = 1808, padded mamba 1,099,264; user or hash block 64 -> 1856; kernel 1808 -> 16 x 113
     a = align_hybrid_block_size(608, 1_097_728)
     assert (a.block_size, a.state_page_padded_bytes) == (1808, 1_099_264)
     assert align_hybrid_block_size(608, 1_097_728, block_size=64).block_size == 1856
@@ -989,7 +1034,7 @@ def test_metal_turboquant_realign_vector():
 
 
 def test_metal_qwen35_08b_kernel_translation():
-    # metal F: Qwen3.5-0.8B-like block 544 -> kernel 32, ratio 17
+    # vllm-metal#235, sdpa.py _pick_kernel_block_size: Qwen3.5-0.8B-like block 544 -> kernel 32, ratio 17
     p = plan(load_scenario("qwen3.5-0.8b"))
     assert (p.block_size, p.kernel_block_size, p.kernel_blocks_per_block) == (544, 32, 17)
 
@@ -1023,7 +1068,7 @@ def test_mla_chunked_local_layer_keeps_chunk_size():
     # Found by this suite: attention_spec()'s MLA branch dropped attention_chunk_size, so an MLA model with
     # an 'L' layer crashed plan() with a bare AssertionError (fixed in 6dbd7ca).
     # scenario.py LAYER_CODES: "L" = chunked local attention ([model.attention].attention_chunk_size);
-    # rules §5: ChunkedLocalAttentionSpec max memory = cdiv(min(chunk + F, L), bs) * P (no +1)
+    # vLLM 0.33.0 ChunkedLocalAttentionSpec.max_memory_usage_bytes = cdiv(min(chunk + F, L), bs) * P (no +1)
     mla = {"kind": "mla", "kv_lora_rank": 512, "qk_rope_head_dim": 64, "attention_chunk_size": 8192}
     s = make_scenario(model("AL", mla), {"max_model_len": 131_072, "max_num_batched_tokens": 4096,
                                           "block_size": 64, "kernel_block_alignment": 64})  # fmt: skip

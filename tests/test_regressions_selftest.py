@@ -70,7 +70,7 @@ class Fp8DsMla576(ReferenceBackend):
 
 
 class Planner576(ReferenceBackend):
-    """vLLM 0.33 notes B.2: the hybrid planner prices fp8_ds_mla MLA at 576 B/token."""
+    """vLLM 0.33.0 Platform._align_hybrid_block_size prices fp8_ds_mla MLA at 576 B/token (vllm#55449)."""
     name = "wrong-b2"
 
     def align_hybrid_block_size(self, scenario):

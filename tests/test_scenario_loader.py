@@ -63,7 +63,7 @@ BASE: dict[str, Any] = {
         "dtype": "bfloat16",
         "num_hidden_layers": 4,
         "layers": "MMMA",
-        "sources": ["rules §9(e) e2"],
+        "sources": ["vLLM 0.33.0 vllm/platforms/interface.py, Platform._align_hybrid_block_size"],
         "attention": {"kind": "gqa", "num_kv_heads": 4, "head_dim": 128},
         "state": {"kind": "mamba2", "intermediate_size": 3072, "n_groups": 1, "n_heads": 48,
                   "head_dim": 64, "d_state": 128, "conv_kernel": 4},

@@ -1,8 +1,8 @@
-"""The vLLM adapter against worked numbers from the KV-rules notes.
+"""The vLLM adapter against worked numbers of vLLM's KV-sizing rules.
 
-Expected values come from ``../shared/notes/vllm-0.33-kv-rules.md`` (cited per test as
-"notes §N") and ``../shared/notes/environment.md`` section 3; none is read from vLLM. The
-module skips when vLLM is absent and imports it once (module-scoped fixture).
+Expected values are derived here from the formulas of the vLLM 0.33.0 functions cited per test
+(``vllm/...`` paths are relative to the wheel's root); none is read from vLLM. The module skips
+when vLLM is absent and imports it once (module-scoped fixture).
 """
 
 from __future__ import annotations
@@ -57,13 +57,14 @@ def full(
 
 
 def granite_tiny_state(block: int = 32768) -> MambaSpec:
-    # notes §11e: Granite-4.0-H-Tiny at TP=1 is [(3, 3328) bf16, (48, 64, 128) bf16]
+    # vLLM 0.33.0 MambaStateShapeCalculator.mamba2_state_shape: Granite-4.0-H-Tiny at TP=1 is
+    # [(3, 3328) bf16, (48, 64, 128) bf16]
     return MambaSpec(block_size=block, shapes=((3, 3328), (48, 64, 128)), dtypes=("bfloat16", "bfloat16"))
 
 
 def test_planning_functions_found(va: Any) -> None:
     rt = va.runtime.vllm_runtime()
-    # 0.32 keeps them in kv_cache_utils, 0.33 moved them to kv_cache_planning (notes, top).
+    # vLLM 0.32 keeps them in vllm/v1/core/kv_cache_utils.py; 0.33.0 moved them to kv_cache_planning.py.
     for name in ("unify_kv_cache_spec_page_size", "get_kv_cache_groups", "_check_enough_kv_cache_memory",
                  "_estimate_max_model_len_from_groups", "get_kv_cache_configs"):  # fmt: skip
         assert rt.locations[name] in va.runtime.PLANNING_MODULES
@@ -74,10 +75,10 @@ def test_planning_functions_found(va: Any) -> None:
 @pytest.mark.parametrize(
     ("spec", "expected"),
     [
-        (full(), 65_536),  # notes §3e: Llama-3-8B-like, 16·8·256·2
-        (full(dtype="uint8"), 32_768),  # notes §3e: same, fp8
-        (full(block=1, heads=2, head=256), 2_048),  # notes §3e: 2 KV heads × 256 bf16 per token
-        (granite_tiny_state(), 806_400),  # notes §9 e2 / §11e
+        (full(), 65_536),  # AttentionSpec.page_size_bytes, Llama-3-8B-like: 16·8·256·2
+        (full(dtype="uint8"), 32_768),  # same, fp8 (uint8)
+        (full(block=1, heads=2, head=256), 2_048),  # 2 KV heads × (256 + 256) × 2 B per token
+        (granite_tiny_state(), 806_400),  # MambaSpec: 3·3328·2 + 48·64·128·2
     ],
 )
 def test_page_size_bytes(va: Any, spec: Any, expected: int) -> None:
@@ -85,7 +86,8 @@ def test_page_size_bytes(va: Any, spec: Any, expected: int) -> None:
 
 
 def test_mla_layer_prices_packed_formats(va: Any) -> None:
-    # notes §4e, DeepSeek-V3 MLA (head 512 + 64 = 576) at block 64.
+    # vLLM 0.33.0 MLAAttention.get_kv_cache_spec (state_content_bytes 656 / 352 for the ds formats),
+    # DeepSeek-V3 MLA (head 512 + 64 = 576) at block 64.
     assert va.specs.mla_layer_spec("auto", 576, 64).page_size_bytes == 73_728
     assert va.specs.mla_layer_spec("fp8", 576, 64).page_size_bytes == 36_864
     assert va.specs.mla_layer_spec("fp8_ds_mla", 576, 64).page_size_bytes == 41_984
@@ -93,8 +95,9 @@ def test_mla_layer_prices_packed_formats(va: Any) -> None:
 
 
 def test_mla_spec_from_cache_dtype_alone_prices_576(va: Any) -> None:
-    # notes §9(d) / B.2: an MLAAttentionSpec built with cache_dtype_str only (as the hybrid
-    # planner builds it) has no state_content_bytes, so fp8_ds_mla costs 576 B, not 656.
+    # vLLM 0.33.0 Platform._align_hybrid_block_size, MLA branch (vllm#55449): an MLAAttentionSpec built
+    # with cache_dtype_str only (as the hybrid planner builds it) has no state_content_bytes, so
+    # fp8_ds_mla costs 576 B, not 656.
     mla = AttentionSpec(
         kind="mla", block_size=64, num_kv_heads=1, head_size=576, head_size_v=0, dtype="uint8"
     )
@@ -102,7 +105,8 @@ def test_mla_spec_from_cache_dtype_alone_prices_576(va: Any) -> None:
 
 
 def test_dtype_bytes(va: Any) -> None:
-    # notes §2e: fp8 -> uint8 (1 B), auto on a bf16 model -> 2 B, fp8_inc -> 1 B.
+    # vLLM 0.33.0 STR_DTYPE_TO_TORCH_DTYPE / kv_cache_dtype_str_to_dtype: fp8 -> uint8 (1 B), auto on a
+    # bf16 model -> 2 B, fp8_inc -> float8_e4m3fn (1 B).
     assert va.specs.kv_cache_dtype_bytes("fp8", "bfloat16") == 1
     assert va.specs.kv_cache_dtype_bytes("auto", "bfloat16") == 2
     assert va.specs.kv_cache_dtype_bytes("fp8_inc", "float16") == 1
@@ -111,7 +115,7 @@ def test_dtype_bytes(va: Any) -> None:
 @pytest.mark.parametrize(
     ("spec", "runtime", "blocks"),
     [
-        # notes §5e, all at block 16 and P = 65,536
+        # vLLM 0.33.0 *Spec.max_memory_usage_bytes (vllm/v1/kv_cache_interface.py), block 16, P = 65,536
         (full(), RuntimeSettings(max_model_len=8192), 512),
         (full(kind="sliding_window", sliding_window=4096),
          RuntimeSettings(max_model_len=8192, max_concurrent_batches=2, max_num_batched_tokens=2048), 513),
@@ -125,7 +129,8 @@ def test_max_memory_usage_bytes(va: Any, spec: Any, runtime: RuntimeSettings, bl
 
 
 def test_mamba_max_memory_by_cache_mode(va: Any) -> None:
-    # notes §12e: Granite-Tiny page 819,200: 1 page in none mode, 3 in align mode (Mamba2 ckpt = 1).
+    # vLLM 0.33.0 MambaSpec.max_memory_usage_bytes: Granite-Tiny page 819,200: 1 page in none mode,
+    # 3 in align mode (2 + Mamba2 ckpt 1).
     state = MambaSpec(
         block_size=400, shapes=((3, 3328), (48, 64, 128)), dtypes=("bfloat16", "bfloat16"),
         page_size_padded=819_200, num_prefill_checkpoint_blocks=1,
@@ -135,8 +140,8 @@ def test_mamba_max_memory_by_cache_mode(va: Any) -> None:
 
 
 def test_unify_scales_and_pads(va: Any) -> None:
-    # environment.md §3: FA 8 heads + FA 4 heads -> the 4-head layer's block becomes 32;
-    # FA + Mamba (1,064,960 B) -> FA keeps block 16 and is padded to the Mamba page.
+    # vLLM 0.33.0 unify_kv_cache_spec_page_size: FA 8 heads + FA 4 heads -> the 4-head layer's block
+    # becomes 32; FA + Mamba (1,064,960 B) -> FA keeps block 16 and is padded to the Mamba page (vllm#45181).
     out = va.planning.unify_page_sizes({"a": full(), "b": full(heads=4)})
     assert out["b"].block_size == 32 and out["b"].page_size_padded is None
     mamba = MambaSpec(block_size=16, shapes=((4, 2048), (32, 64, 128)), dtypes=("bfloat16", "float32"))
@@ -146,7 +151,7 @@ def test_unify_scales_and_pads(va: Any) -> None:
 
 
 def test_unify_refuses_mla(va: Any) -> None:
-    # notes §14(c): MLA pages that do not divide the maximum cannot be padded.
+    # vLLM 0.33.0 unify_kv_cache_spec_page_size: MLA pages that do not divide the maximum cannot be padded.
     mla = AttentionSpec(
         kind="mla", block_size=64, num_kv_heads=1, head_size=576, head_size_v=0, dtype="bfloat16"
     )
@@ -170,8 +175,9 @@ def test_spec_round_trip(va: Any) -> None:
 
 
 def test_llama_admission_error_and_estimate(va: Any) -> None:
-    # notes §17e: 32 layers × 65,536 B, L = 8192, 1 GiB -> "… (8192), (1.0 GiB … (1.0 GiB). …
-    # estimated maximum model length is 8176. …"; 10 GiB -> 5120 blocks.
+    # vLLM 0.33.0 _check_enough_kv_cache_memory: 32 layers × 65,536 B, L = 8192, 1 GiB -> "… (8192),
+    # (1.0 GiB … (1.0 GiB). … estimated maximum model length is 8176. …" (511 blocks · 16 after the
+    # null block); 10 GiB // 2 MiB -> 5120 blocks.
     specs = {f"model.layers.{i}.self_attn": full() for i in range(32)}
     memory = va.check_memory(specs, RuntimeSettings(max_model_len=8192, kv_cache_memory_bytes=GIB))
     assert memory.bytes_per_block == 2 * 1024 * 1024
@@ -186,7 +192,7 @@ def test_llama_admission_error_and_estimate(va: Any) -> None:
     )
     roomy = va.check_memory(specs, RuntimeSettings(max_model_len=8192, kv_cache_memory_bytes=10 * GIB))
     assert roomy.admission == "ok" and roomy.num_blocks == 5120
-    # notes §17(d): one block of memory is all null block -> "No available memory".
+    # get_kv_cache_configs: one block of memory is all null block -> "No available memory".
     starved = va.check_memory(
         specs, RuntimeSettings(max_model_len=8192, kv_cache_memory_bytes=2 * 1024 * 1024)
     )
@@ -195,24 +201,25 @@ def test_llama_admission_error_and_estimate(va: Any) -> None:
 
 def test_granite_tiny_hybrid_alignment_and_pool(va: Any) -> None:
     scenario = load_scenario("granite-4.0-h-tiny")
-    # notes §9 e2: block 400, Mamba page 806,400 padded to 819,200 (2048 B/token).
+    # vLLM 0.33.0 Platform._align_hybrid_block_size: 16 * cdiv(806,400, 16 * 2048) = 400, Mamba page
+    # 806,400 padded to 400 * 2048 = 819,200.
     alignment = va.align_hybrid_block_size(scenario)
     assert alignment is not None
     assert (alignment.block_size, alignment.state_page_bytes, alignment.state_page_padded_bytes) == (
         400, 806_400, 819_200,
     )  # fmt: skip
     assert alignment.attn_page_bytes_per_token == 2048
-    assert va.state_shapes(scenario) == ((3, 3328), (48, 64, 128))  # notes §11e
+    assert va.state_shapes(scenario) == ((3, 3328), (48, 64, 128))  # mamba2_state_shape
 
     from pytest_kvconform.reference.layers import layer_specs
 
     specs = layer_specs(scenario, alignment)
     groups = va.kv_cache_groups(specs, scenario.runtime)
-    assert len(groups) == 10 and {len(g.layer_names) for g in groups} == {4}  # notes §15e
+    assert len(groups) == 10 and {len(g.layer_names) for g in groups} == {4}  # uniform-page grouping
     memory = va.check_memory(specs, scenario.runtime)
-    assert memory.bytes_per_block == 3_276_800  # notes §16e
-    assert memory.num_blocks == 2621  # notes §19e: 8 GiB // 3,276,800
-    assert round(memory.max_concurrency, 2) == 28.80  # notes §19e, none mode, L = 32,768
+    assert memory.bytes_per_block == 3_276_800  # 4 * 819,200
+    assert memory.num_blocks == 2621  # 8 GiB // 3,276,800
+    assert round(memory.max_concurrency, 2) == 28.80  # 2621 / (cdiv(32,768, 400) + 9), none mode
 
 
 def test_backend_matches_reference_plan(va: Any) -> None:

@@ -7,7 +7,8 @@ and ``_is_avx512_supported``; on AVX-512 BF16 hosts it sets ``mamba_ssm_cache_dt
 monkeypatching those probes, so they prove the point on any machine: the backend's default
 platform (vLLM core's neutral ``Platform``) plans the same either way, while the CPU platform,
 selected explicitly, shows that the fake really reaches vLLM. Expected numbers are derived here
-from the notes' formulas (section 9 e2 of vllm-0.33-kv-rules.md), not read from vLLM.
+from the formula of vLLM 0.33.0 ``Platform._align_hybrid_block_size`` (vllm/platforms/interface.py),
+``16 * cdiv(mamba_page, 16 * 2048)``, not read from vLLM.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ SCENARIOS = (
 )
 CPU_PLATFORM = "vllm.platforms.cpu:CpuPlatform"
 
-# Granite-4.0-H-Tiny at TP 1 (notes section 9 e2): conv (3, 3328) + SSM (48, 64, 128), 2048 B/token.
+# Granite-4.0-H-Tiny at TP 1 (mamba2_state_shape): conv (3, 3328) + SSM (48, 64, 128), 2048 B/token.
 CONV, SSM, PER_TOKEN = 3 * 3328, 48 * 64 * 128, 2048
 BF16_STATE, FP32_SSM_STATE = CONV * 2 + SSM * 2, CONV * 2 + SSM * 4
 

@@ -1,13 +1,14 @@
 """Known vLLM bugs, shown with vLLM's own code and numbers (the ``vllm`` backend's ``known_failures``).
 
-notes B.2 (``../shared/notes/vllm-0.33-kv-rules.md``; the MLA branch of section 9): the hybrid
-planner ``Platform._align_hybrid_block_size`` prices MLA with
+vllm-project/vllm#55449 (open; the MLA branch of vLLM 0.33.0 ``vllm/platforms/interface.py``): the
+hybrid planner ``Platform._align_hybrid_block_size`` prices MLA with
 ``MLAAttentionSpec(block_size=1, ..., cache_dtype_str=cache_dtype)`` and no
 ``state_content_bytes``, i.e. ``kv_lora_rank + qk_rope_head_dim`` = 576 B per token for
-``fp8_ds_mla``, while the MLA layer stores 656. The scenario is a real vLLM architecture with MLA
-and a Mamba-family state, ``KimiLinearForCausalLM`` (MLA + KDA), driven offline through a
-generated config.json. Expected values are computed here from the notes' formula, never read from
-vLLM. The module skips when vLLM is absent.
+``fp8_ds_mla``, while the MLA layer stores 656 (``MLAAttention.get_kv_cache_spec``). The scenario
+is a real vLLM architecture with MLA and a Mamba-family state, ``KimiLinearForCausalLM`` (MLA + KDA),
+driven offline through a generated config.json. Expected values are derived here from
+``_align_hybrid_block_size``'s formula ``k * cdiv(mamba, k * a1)``, never read from vLLM. The module
+skips when vLLM is absent.
 """
 
 from __future__ import annotations
@@ -40,11 +41,11 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-# The notes' numbers for the probe (section 9 e4 geometry; KDA at TP 1, conv kernel 4):
+# The probe's numbers, derived here (KDA at TP 1, conv kernel 4; MambaStateShapeCalculator.kda_state_shape):
 MLA_LATENT = 512 + 64  # kv_lora_rank + qk_rope_head_dim: what the planner prices per token
 FP8_DS_MLA = 512 + 16 + 64 * 2  # fp8 latent + 4 fp32 scales + bf16 rope: what the layer stores
 KDA_STATE = 3 * (3 * 32 * 128) * 2 + 32 * 128 * 128 * 4  # conv (3, 12288) bf16 + (32, 128, 128) fp32
-MLA_FLOOR = 128  # k = max(k, 128) for MLA hybrids
+MLA_FLOOR = 128  # _align_hybrid_block_size: k = max(k, 128) for MLA hybrids
 
 
 def planner_block(a1: int) -> int:
@@ -170,7 +171,10 @@ def test_vllm_plan_departs_only_through_the_block(probe: Scenario) -> None:
 
 @pytest.mark.parametrize(("kv_cache_dtype", "a1"), [("auto", 1152), ("fp8", 576)])
 def test_unpacked_mla_formats_agree(va: Any, probe: Scenario, kv_cache_dtype: str, a1: int) -> None:
-    """Control: without a packed format vLLM and the reference agree (notes e4: bf16 -> 1920)."""
+    """Control: without a packed format vLLM and the reference agree.
+
+    bf16: 128 * cdiv(2,170,880, 128 * 1152) = 1920.
+    """
     s = probe.with_runtime(kv_cache_dtype=kv_cache_dtype)
     got, expected = va.align_hybrid_block_size(s), hybrid_alignment(s)
     assert expected is not None

@@ -2,7 +2,9 @@
 
 On Apple Silicon it runs on the Metal GPU; on Linux it runs on the CPU through ``mlx[cpu]``.
 The contract (layouts, slot mapping, causal/window/sink semantics, block-size translation)
-is the one in ``notes/vllm-metal.md`` §A.3 and §B.2–B.5; the code here is our own.
+is vllm-metal's (vllm-project/vllm-metal @ 211a1e4: ``vllm_metal/attention/impls/sdpa.py``
+``_pick_kernel_block_size``/``_build_block_tables``/``sdpa_forward``, ``vllm_metal/metal/paged_ops.cpp``
+and ``vllm_metal/metal/kernels_v2/pagedattention.metal``); the code here is our own.
 
 Importing this package does not import mlx: the names below are loaded on first use.
 """

@@ -1,16 +1,21 @@
-"""Paged KV writes and paged attention on MLX, following vllm-metal's kernel contract (notes §B).
+"""Paged KV writes and paged attention on MLX, following vllm-metal's kernel contract.
 
-Layouts (notes §B.2): ``query [T, Hq, D]`` packs all query rows of all sequences (decode rows
-and prefill rows alike) with segment boundaries ``cu_seqlens_q``; ``key_cache``/``value_cache``
-are ``[num_blocks, block_size, Hkv, D]`` (token-major, as vLLM allocates them); ``seq_lens``
-counts *all* KV tokens of a sequence including this step's queries.
+The contract is that of vllm-project/vllm-metal @ 211a1e4: ``paged_attention_primitive`` and
+``reshape_and_cache`` in ``vllm_metal/metal/paged_ops.cpp``, the kernels in
+``vllm_metal/metal/kernels_v2/pagedattention.metal``, and the caller ``sdpa_forward`` in
+``vllm_metal/attention/impls/sdpa.py``.
+
+Layouts (``paged_attention_primitive``): ``query [T, Hq, D]`` packs all query rows of all
+sequences (decode rows and prefill rows alike) with segment boundaries ``cu_seqlens_q``;
+``key_cache``/``value_cache`` are ``[num_blocks, block_size, Hkv, D]`` (token-major, as vLLM
+allocates them); ``seq_lens`` counts *all* KV tokens of a sequence including this step's queries.
 
 How it runs: for each sequence we gather exactly the KV rows it attends to, head-major
 (``[Hkv, L, D]``) in one ``take`` over the flat ``[NB*BS*Hkv, D]`` view (the gather also does the
 token→head transpose), then compute in fp32 with contiguous GQA grouping: query head ``h`` uses
 KV head ``h // (Hq // Hkv)``. Pure decode rows and window-only decode need no mask (the gathered
 range is exactly the attended range); prefill rows get a causal/window mask. The sink is a
-denominator-only logit and the denominator carries the kernel's ``+1e-6`` (notes §B.3).
+denominator-only logit and the denominator carries the kernel's ``+1e-6`` (pagedattention.metal).
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ import numpy as np
 
 from .blocks import KERNEL_BLOCK_SIZES, build_block_tables, reshape_cache_for_kernel
 
-#: (atol, rtol) per dtype, as vllm-metal's kernel tests use them (notes §B.3).
+#: (atol, rtol) per dtype, as vllm-metal's kernel parity checks use them (``TOLS`` in
+#: tools/spec_window_parity.py).
 DTYPE_TOLERANCES: dict[str, tuple[float, float]] = {
     "bfloat16": (3e-2, 2e-2),
     "float16": (1.5e-2, 2e-2),
@@ -60,9 +66,10 @@ def reshape_and_cache(
     """Write token ``i`` of ``key``/``value [N, Hkv, D]`` to flat slot ``slot_mapping[i]``.
 
     ``slot = block_id * block_size + offset`` on the *logical* cache ``[NB, BS, Hkv, D]``
-    (notes §B.5). Negative slots are padding and are skipped. Unlike vllm-metal's kernel, which
-    has no upper-bound check (an out-of-range slot is an out-of-bounds device write), a slot
-    ``>= num_blocks * block_size`` raises ``ValueError``. Returns the new caches; rebind them.
+    (vllm-metal ``reshape_and_cache``). Negative slots are padding and are skipped. Unlike
+    vllm-metal's kernel, which has no upper-bound check (an out-of-range slot is an out-of-bounds
+    device write), a slot ``>= num_blocks * block_size`` raises ``ValueError``. Returns the new
+    caches; rebind them.
     """
     if key_cache.shape != value_cache.shape or key_cache.ndim != 4:
         raise ValueError(
@@ -80,7 +87,7 @@ def reshape_and_cache(
         i = int(bad[0])
         raise ValueError(
             f"slot_mapping[{i}]={int(slots[i])} is out of range for a cache of {nb} blocks x {bs} tokens "
-            f"({capacity} slots); vllm-metal's reshape_and_cache has no bound check (notes §B.5), "
+            f"({capacity} slots); vllm-metal's reshape_and_cache has no bound check, "
             "this runtime refuses the write"
         )
     keep = np.nonzero(slots >= 0)[0]
@@ -256,7 +263,7 @@ def _decode_rows(q: mx.array, k: mx.array, v: mx.array, sink: mx.array | None) -
     """One query row per head, every gathered key attended: ``[Hkv, G, D]``.
 
     Scores are formed as ``K @ q^T`` (``[Hkv, L, G]``): with the reference BLAS of the CPU wheel
-    this streams K once instead of once per query head (notes-metal-runtime.md).
+    this streams K once instead of once per query head (measured in docs/metal-runtime.md).
     """
     scores = k @ mx.contiguous(q.swapaxes(-1, -2))  # [Hkv, L, G]
     m = scores.max(axis=1, keepdims=True)
@@ -285,7 +292,7 @@ def paged_attention_logical(
     """:func:`paged_attention` on a cache with any logical block size (160, 400, 544, ...).
 
     ``block_tables`` are rows of *logical* block ids; the cache ``[NB, BS, Hkv, D]`` is viewed as
-    kernel blocks and the rows are expanded exactly as vllm-metal's ``sdpa_forward`` does (notes §A.3).
+    kernel blocks and the rows are expanded exactly as vllm-metal's ``sdpa_forward`` does.
     """
     block_size = key_cache.shape[1]
     if isinstance(block_tables, (mx.array, np.ndarray)):
@@ -333,7 +340,7 @@ def dense_attention(
 
     Written in float64 numpy, independent of the paged path: GQA by ``np.repeat`` over heads, an
     explicit boolean causal/window mask, the sink added to the denominator only, and the kernel's
-    ``+1e-6`` (notes §B.3). ``L_s`` is the sequence length including its query rows. Returns
+    ``+1e-6`` (pagedattention.metal). ``L_s`` is the sequence length including its query rows. Returns
     float32 ``[T, Hq, D]``.
     """
     q_all = _to_f64(query)

@@ -1,4 +1,4 @@
-"""Logical → kernel block-size translation (vllm-metal ``attention/impls/sdpa.py``, notes §A.3).
+"""Logical → kernel block-size translation (vllm-metal ``attention/impls/sdpa.py``).
 
 The Metal kernels exist only for kernel blocks of 8, 16 and 32 tokens. A larger logical block
 (hybrid models get 160, 400, 544, 2768, ...) is served by viewing every logical block as
@@ -48,7 +48,7 @@ def build_block_tables(rows: Sequence[Sequence[int]], block_size: int) -> tuple[
     """Block tables in kernel-block units: ``(int32 [num_seqs, max_blocks*ratio], kernel_block_size)``.
 
     Rows are zero-padded to the longest one first; the padding block 0 is expanded like any
-    other entry (it is never dereferenced by the kernel, notes §B.3).
+    other entry (it is never dereferenced by the kernel, pagedattention.metal).
     """
     import mlx.core as mx
 

@@ -1,4 +1,4 @@
-"""Opt-in glibc allocator tuning for MLX on Linux CPU (``notes/environment.md`` §2, finding 2).
+"""Opt-in glibc allocator tuning for MLX on Linux CPU (glibc ``mallopt(3)``; see docs/metal-runtime.md).
 
 MLX's CPU allocator does not cache large buffers, so every op on a big temporary pays fresh
 page faults (16k faults for 64 MiB). Raising glibc's mmap and trim thresholds keeps freed memory

@@ -1,10 +1,14 @@
-"""A KV pool allocated the way vllm-metal allocates its caches (notes §A.5, §A.8, §A.10).
+"""A KV pool allocated the way vllm-metal allocates its caches.
+
+vllm-project/vllm-metal @ 211a1e4: ``MetalPagedKVCache`` (``vllm_metal/attention/caches/kv_cache.py``),
+``MLAPagedLatentCache`` and ``GDNPagedStateCache``, sized by ``ModelCachePolicy`` in
+``vllm_metal/v1/cache_policy.py`` (``get_cache_block_size_bytes``, ``estimate_one_sequence_kv_bytes``):
 
 * attention layer: K and V ``[num_blocks, block_size, kv_heads, head_dim]`` in the model dtype;
 * MLA layer: one latent ``[num_blocks, block_size, kv_lora_rank + rope_dim]`` (no V: 1x);
 * state layer (GDN/Mamba/short-conv): ``num_state_slots`` slots of a conv state in the model
   dtype and, except for short-conv, a recurrent state (fp32 where asked; vllm-metal forces fp32
-  for GDN, notes §A.2).
+  for GDN, vllm-metal#243 and #579).
 
 All byte figures are read back from the allocated arrays (``nbytes``), never from a formula, so
 the pool can check formula-based sizing elsewhere. Geometry is given as plain ints and dtype
@@ -245,7 +249,7 @@ def layers_from_scenario(
     ``scale_heads`` divides KV heads (and GDN/Mamba heads) keeping at least one, so a big model
     keeps its per-layer shape at a size the CPU can allocate. The recurrent state dtype is the
     state's ``ssm_dtype``, else the runtime's ``mamba_ssm_cache_dtype``, else fp32 for GDN (what
-    vllm-metal forces, notes §A.2) and the model dtype otherwise.
+    vllm-metal forces, vllm-metal#579) and the model dtype otherwise.
     """
     model = scenario.model
     if model is None:

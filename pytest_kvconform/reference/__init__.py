@@ -1,4 +1,10 @@
-"""The reference: every KV-cache sizing rule of vLLM 0.33.0 (and vllm-metal), in pure Python.
+"""The reference: the KV-cache sizing rules of vLLM 0.33.0 core and vllm-metal, in pure Python.
+
+Not modelled: Phase 3 of ``update_block_size_for_backend`` (heterogeneous KV dtypes from
+``kv_cache_dtype_skip_layers``), per-layer heterogeneous attention geometry in model-level
+scenarios (the spec-level form covers it), the align-mode prefill checkpoint alignment of
+constructed layers (``extra_block_alignment`` stands for it), speculative draft layers,
+pipeline parallelism and vLLM's auto-fit of ``max_model_len``.
 
 One module per rule family, each function citing the vLLM source it mirrors. Standard
 library only, so any backend can be checked against it without importing vLLM.

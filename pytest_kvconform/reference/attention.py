@@ -71,6 +71,12 @@ def attention_spec(
             sliding_window=geometry.sliding_window if kind == "sliding_window" else None,
             attention_chunk_size=geometry.attention_chunk_size if kind == "chunked_local" else None,
         )  # fmt: skip
+    query_heads = geometry.num_attention_heads
+    if query_heads and query_heads % tensor_parallel_size:  # ModelConfig.verify_with_parallel_config
+        raise ValueError(
+            f"Total number of attention heads ({query_heads}) must be divisible by tensor parallel size "
+            f"({tensor_parallel_size})."
+        )
     heads = max(1, geometry.num_kv_heads // tensor_parallel_size)
     d = geometry.head_dim
     dv = d if geometry.head_dim_v is None else geometry.head_dim_v

@@ -78,7 +78,7 @@ def hybrid_alignment(scenario: Scenario) -> HybridAlignment | None:
     """The alignment vLLM applies to a model-level hybrid scenario; None if not hybrid.
 
     The attention page is the real per-token page of one layer, packed formats included
-    (for MLA ``fp8_ds_mla`` that is 656 B; vLLM 0.33's planner prices 576, notes B.2).
+    (for MLA ``fp8_ds_mla`` that is 656 B; vLLM 0.33's ``_align_hybrid_block_size`` prices 576, a vLLM bug).
     """
     model, rt = scenario.model, scenario.runtime
     if model is None or not model.is_hybrid:

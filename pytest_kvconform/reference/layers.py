@@ -19,6 +19,16 @@ _ATTENTION_KIND = {"A": "full_attention", "P": "full_attention", "S": "sliding_w
                    "L": "chunked_local", "X": "cross_attention"}  # fmt: skip
 
 
+def sliding_window_block_size(block_size: int, kernel_block_alignment: int) -> int:
+    """``_largest_kernel_block_within`` (vllm/model_executor/layers/attention/attention.py, vLLM
+    0.32/0.33) for a backend of ``MultipleOf(kernel_block_alignment)`` and no padded page: the
+    largest aligned block whose page fits in ``block_size`` tokens' page, else the smallest kernel
+    block. A sliding-window layer runs at ``(block // a) * a`` tokens, or at ``a`` when the
+    block is smaller than the kernel block ``a``."""
+    a = kernel_block_alignment
+    return a if block_size < a else block_size // a * a
+
+
 def layer_specs(
     scenario: Scenario,
     alignment: HybridAlignment | None = None,
@@ -56,6 +66,9 @@ def layer_specs(
                     attn, kind=kind, block_size=block, kv_cache_dtype=rt.kv_cache_dtype,
                     model_dtype=model.dtype, tensor_parallel_size=rt.tensor_parallel_size,
                 )  # fmt: skip
+                if kind == "sliding_window":
+                    window_block = sliding_window_block_size(block, rt.kernel_block_alignment)
+                    built[kind] = built[kind].with_block_size(window_block)
         return built[kind]
 
     specs: dict[str, KVCacheSpec] = {}

@@ -1,6 +1,6 @@
 """Paged-attention decode benchmarks for the MLX runtime (``pytest_kvconform.metal_runtime``).
 
-Shape (the brief's): 8 sequences x 2048 tokens, 32 query heads, 8 KV heads, head_dim 128,
+Shape: 8 sequences x 2048 tokens, 32 query heads, 8 KV heads, head_dim 128,
 fp32 (the fastest dtype of MLX on CPU, ``notes/environment.md`` §2). Paged runs at kernel
 blocks 8/16/32 and at the translated logical blocks 160 and 400; the dense baseline is
 ``mx.fast.scaled_dot_product_attention`` on the same K/V, contiguous and head-major.

@@ -1,7 +1,6 @@
 """Sizing bugs from the vllm-metal history and other vLLM backends, pinned as regressions.
 
-Sources: /work/shared/notes/vllm-metal.md section C and harness-anchors.md section 4.8. Each test
-names its source (``repository#number``) and the wrong formula it guards against; every test
+Each test names its source (``repository#number``) and the wrong formula it guards against; every test
 calls the selected backend, and ``test_plan_golden`` compares the backend's full KVPlan with the
 reference's JSON golden in ``__snapshots__/test_history/`` (same file for every backend).
 """
@@ -83,8 +82,9 @@ LLAMA_NULL = regression("llama-3-8b-null-block")
 
 @pytest.mark.kvconform_rule("memory")
 def test_metal513_estimate_reserves_the_null_block(kv_backend: Any, kv_reference: Any) -> None:
-    """vllm-metal#513 (vLLM 0.33 notes 17): block 0 is the null block, so the estimate is computed on
-    ``available - bytes_per_block``: 1 GiB at 2 MiB per block fits 511 usable blocks = 8176 tokens.
+    """vllm-metal#513 (vLLM 0.33.0 v1/core/kv_cache_planning.py, _check_enough_kv_cache_memory):
+    block 0 is the null block, so the estimate is computed on ``available - bytes_per_block``:
+    1 GiB at 2 MiB per block fits 511 usable blocks = 8176 tokens.
 
     Wrong formula: estimate on the whole pool (8192 tokens, which then never gets scheduled).
     """

@@ -224,9 +224,10 @@ def test_glm5_fp8_ds_mla_pages(kv_backend: Any, kv_reference: Any) -> None:
 
 @pytest.mark.kvconform_rule("hybrid_alignment")
 def test_vllm_b2_mla_hybrid_block_uses_the_packed_page(kv_backend: Any) -> None:
-    """vLLM 0.33 notes B.2 (a known vLLM bug): the hybrid planner prices fp8_ds_mla MLA at
-    576 B/token. For an MLA + Mamba hybrid (state 806,400 B, MLA floor 128) that picks block 1408
-    (page 811,008 B); the 656 B/token the layer really stores needs block 1280 (page 839,680 B).
+    """A known vLLM bug in Platform._align_hybrid_block_size (vllm/platforms/interface.py,
+    0.32/0.33): the hybrid planner prices fp8_ds_mla MLA at 576 B/token. For an MLA + Mamba
+    hybrid (state 806,400 B, MLA floor 128) that picks block 1408 (page 811,008 B); the
+    656 B/token the layer really stores needs block 1280 (page 839,680 B).
 
     Wrong formula: ``attn_page_bytes_per_token = kv_lora_rank + qk_rope_head_dim`` (576).
     """
@@ -242,7 +243,7 @@ def test_vllm_b2_mla_hybrid_block_uses_the_packed_page(kv_backend: Any) -> None:
 
 @pytest.mark.kvconform_rule("unification")
 def test_vllm_b2_planner_block_makes_unify_repad_mamba(kv_backend: Any) -> None:
-    """vLLM 0.33 notes B.2: at the planner's block 1408 the real MLA page is 1408 x 656 = 923,648 B,
+    """The same vLLM bug: at the planner's block 1408 the real MLA page is 1408 x 656 = 923,648 B,
     above the Mamba page padded to 811,008 B, so unify quietly re-pads Mamba to 923,648 B (14.54 %
     over the 806,400 B state instead of 4.13 % at block 1280)."""
     s = MLA_MAMBA()
@@ -316,7 +317,7 @@ KIMI_B2 = regression("kimi-linear-mla-kda-fp8-ds-mla-probe")
 
 @pytest.mark.kvconform_rule("hybrid_alignment")
 def test_vllm_b2_kimi_linear_block_uses_the_packed_page(kv_backend: Any) -> None:
-    """vLLM 0.33 notes B.2 on a real MLA + state architecture (KimiLinear: MLA + KDA), so the
+    """The same vLLM bug on a real MLA + state architecture (KimiLinear: MLA + KDA), so the
     vllm backend runs vLLM's own ``_align_hybrid_block_size`` on it.
 
     Wrong formula: pricing fp8_ds_mla at 576 B/token (no ``state_content_bytes``) gives block

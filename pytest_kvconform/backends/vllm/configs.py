@@ -9,6 +9,7 @@ field. Add a family with ``@writer("SomeForCausalLM")``.
 from __future__ import annotations
 
 import importlib.util
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -88,20 +89,28 @@ def layer_list(model: ModelGeometry, attention: str, state: str, other: str | No
     return [names[c] for c in model.layers]
 
 
-def attention_fields(model: ModelGeometry, hidden_size: int | None = None) -> dict[str, Any]:
+def attention_fields(scenario: Scenario, hidden_size: int | None = None) -> dict[str, Any]:
     """GQA heads, with ``hidden_size = num_attention_heads * head_dim`` (some families derive
-    head_dim from the hidden size); with a given ``hidden_size`` the query heads follow from it."""
+    head_dim from the hidden size); with a given ``hidden_size`` the query heads follow from it.
+    Query heads the scenario does not give are chosen so that the TP size divides them."""
+    model, tensor_parallel_size = scenario.model, scenario.runtime.tensor_parallel_size
+    assert model is not None
     attn = model.attention
     assert attn is not None
     if attn.kind != "gqa" or attn.head_dim_v is not None:
         raise UnsupportedByVllmError(f"{model.architecture}: only GQA attention with head_dim_v == head_dim")
-    heads = attn.num_attention_heads or max(attn.num_kv_heads, 1) * 4
+    heads = attn.num_attention_heads or math.lcm(max(attn.num_kv_heads, 1) * 4, tensor_parallel_size)
     if hidden_size is not None:
         heads, rest = divmod(hidden_size, attn.head_dim)
         if rest or heads % attn.num_kv_heads:
             raise UnsupportedByVllmError(
                 f"{model.architecture}: hidden size {hidden_size} is not a whole number of "
                 f"{attn.head_dim}-wide heads grouped by {attn.num_kv_heads} KV heads"
+            )
+        if heads % tensor_parallel_size and not attn.num_attention_heads:
+            raise UnsupportedByVllmError(
+                f"{model.architecture}: its hidden size gives {heads} query heads, which tensor parallel "
+                f"size {tensor_parallel_size} does not divide; set [model.attention].num_attention_heads"
             )
     return {"num_attention_heads": heads, "num_key_value_heads": attn.num_kv_heads, "head_dim": attn.head_dim,
             "hidden_size": heads * attn.head_dim}  # fmt: skip
@@ -122,7 +131,11 @@ def dense_gqa(scenario: Scenario, common: dict[str, Any]) -> dict[str, Any]:
     _dense_only(model)
     model_type = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                   "Qwen3ForCausalLM": "qwen3"}[model.architecture]  # fmt: skip
-    return {**common, **attention_fields(model), "model_type": model_type}
+    return {
+        **common,
+        **attention_fields(scenario),
+        "model_type": model_type,
+    }
 
 
 @writer("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM")
@@ -183,7 +196,7 @@ def gemma3(scenario: Scenario, common: dict[str, Any]) -> dict[str, Any]:
     if model.state is not None or set(model.layers) - {"A", "S"}:
         raise UnsupportedByVllmError(f"{model.architecture}: layers are sliding (S) or full (A) only")
     return {
-        **common, **attention_fields(model), "model_type": "gemma3_text",
+        **common, **attention_fields(scenario), "model_type": "gemma3_text",
         "layer_types": ["sliding_attention" if c == "S" else "full_attention" for c in model.layers],
         "sliding_window": model.attention.sliding_window or 4096,
         "query_pre_attn_scalar": model.attention.head_dim,
@@ -199,8 +212,8 @@ def granite_moe_hybrid(scenario: Scenario, common: dict[str, Any]) -> dict[str, 
     expand = 2 if st.intermediate_size % 2 == 0 else 1
     return {
         # GraniteMoeHybridAttention derives head_dim = hidden_size // num_attention_heads.
-        **common, **attention_fields(model, st.intermediate_size // expand), "model_type": "granitemoehybrid",
-        "mamba_expand": expand,
+        **common, **attention_fields(scenario, st.intermediate_size // expand),
+        "model_type": "granitemoehybrid", "mamba_expand": expand,
         "layer_types": layer_list(model, "attention", "mamba"),
         "mamba_n_heads": st.n_heads, "mamba_d_head": st.head_dim, "mamba_d_state": st.d_state,
         "mamba_n_groups": st.n_groups, "mamba_d_conv": st.conv_kernel, "num_local_experts": 0,
@@ -218,7 +231,7 @@ def nemotron_h(scenario: Scenario, common: dict[str, Any]) -> dict[str, Any]:
             f"({st.n_heads * st.head_dim}), the scenario has {st.intermediate_size}"
         )
     return {
-        **common, **attention_fields(model), "model_type": "nemotron_h",
+        **common, **attention_fields(scenario), "model_type": "nemotron_h",
         "hidden_size": st.intermediate_size // 2, "expand": 2,
         "hybrid_override_pattern": "".join(layer_list(model, "*", "M", "-")),
         "mamba_num_heads": st.n_heads, "mamba_head_dim": st.head_dim, "ssm_state_size": st.d_state,
@@ -249,7 +262,7 @@ def qwen_gdn(scenario: Scenario, common: dict[str, Any]) -> dict[str, Any]:
     assert model is not None
     arch = model.architecture
     text = {
-        **attention_fields(model), "num_hidden_layers": model.num_hidden_layers, "vocab_size": 1024,
+        **attention_fields(scenario), "num_hidden_layers": model.num_hidden_layers, "vocab_size": 1024,
         "hidden_size": 1024, "intermediate_size": 256,
         "max_position_embeddings": common["max_position_embeddings"],
         "layer_types": layer_list(model, "full_attention", "linear_attention"),
@@ -315,6 +328,19 @@ def kimi_linear(scenario: Scenario, common: dict[str, Any]) -> dict[str, Any]:
     }  # fmt: skip
 
 
+@writer("Lfm2ForCausalLM")
+def lfm2(scenario: Scenario, common: dict[str, Any]) -> dict[str, Any]:
+    """``layer_types`` of conv/full_attention, ``conv_L_cache`` the conv kernel; the short conv's
+    width is the hidden size, from which ``Lfm2Attention`` also derives its head_dim."""
+    model, st = scenario.model, _state(scenario, "short_conv")
+    assert model is not None
+    return {
+        **common, **attention_fields(scenario, st.conv_dim), "model_type": "lfm2",
+        "layer_types": layer_list(model, "full_attention", "conv"), "conv_L_cache": st.conv_kernel,
+        "conv_dim": st.conv_dim, "block_dim": st.conv_dim, "block_ff_dim": 256,
+    }  # fmt: skip
+
+
 @writer("JambaForCausalLM")
 def jamba(scenario: Scenario, common: dict[str, Any]) -> dict[str, Any]:
     """A periodic ``attn_layer_period`` / ``attn_layer_offset`` and ``mamba_*``."""
@@ -329,7 +355,7 @@ def jamba(scenario: Scenario, common: dict[str, Any]) -> dict[str, Any]:
     expand = 2 if st.intermediate_size % 2 == 0 else 1
     return {
         # JambaAttentionDecoderLayer derives head_dim = hidden_size // num_attention_heads.
-        **common, **attention_fields(model, st.intermediate_size // expand), "model_type": "jamba",
+        **common, **attention_fields(scenario, st.intermediate_size // expand), "model_type": "jamba",
         "mamba_expand": expand,
         "attn_layer_period": period, "attn_layer_offset": attn[0], "mamba_d_state": st.d_state,
         "mamba_d_conv": st.conv_kernel, "mamba_dt_rank": 64, "num_experts": 1, "expert_layer_period": 1,
