@@ -48,14 +48,20 @@ DISCARDED: Counter[str] = Counter()
 COMPARED: Counter[str] = Counter()
 
 
+#: rule -> compared inputs of the running property test that reached it
+#: (:func:`pytest_kvconform.strategies.exercised_rules`)
+EXERCISED: Counter[str] = Counter()
+
+
 def discard(reason: str) -> None:
     """Count one generated input the backend cannot model, then let hypothesis reject it."""
     DISCARDED[reason] += 1
 
 
-def compared(what: str = "example") -> None:
-    """Count one generated input that reached the comparison."""
-    COMPARED[what] += 1
+def compared(*exercised: str) -> None:
+    """Count one generated input that reached the comparison, and the rules it exercised."""
+    COMPARED["example"] += 1
+    EXERCISED.update(exercised)
 
 
 def skip_if_not_provided(backend: Any, rule: str) -> None:

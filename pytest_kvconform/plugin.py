@@ -41,9 +41,13 @@ class KVConformSession:
             *config.getoption("kvconform_backend_option"),
         ]
         self._backend: Any = None
+        self._release: tuple[Any, str] | None = None
+        self.release_option = config.getoption("kvconform_vllm") or config.getini("kvconform_vllm")
         self._inherited: dict[str, bool] = {}
         self._scenarios: list[Scenario] | None = None
         self.matrix: dict[str, Counter[str]] = defaultdict(Counter)
+        #: rule family -> rule reached -> generated inputs compared that reached it
+        self.exercised: dict[str, Counter[str]] = defaultdict(Counter)
         #: one record per conformance test: nodeid, rule, scenario, outcome, message
         self.records: list[dict[str, str]] = []
         self.strict = bool(config.getoption("kvconform_strict"))
@@ -73,6 +77,7 @@ class KVConformSession:
             self.matrix[str(rule)][outcome] += 1
             self.matrix[str(rule)]["generated"] += int(properties.get("kvconform_generated", 0))
             self.matrix[str(rule)]["discarded"] += int(properties.get("kvconform_discarded", 0))
+            self.exercised[str(rule)].update(properties.get("kvconform_exercised", {}))
             scenario = str(properties.get("kvconform_scenario", ""))
             self.records.append({
                 "test": report.nodeid, "rule": str(rule), "scenario": scenario, "outcome": outcome,
@@ -112,7 +117,26 @@ class KVConformSession:
                 self._backend = resolve_backend(self.backend_name, parse_options(self.backend_options_raw))
             except BackendError as exc:
                 raise pytest.UsageError(f"--kvconform-backend: {exc}") from None
+            self.apply_release(self._backend)
         return self._backend
+
+    @property
+    def release(self) -> tuple[Any, str]:
+        """The vLLM release whose rules the reference applies, and why (:func:`_selected_release`)."""
+        if self._release is None:
+            try:
+                self._release = _selected_release(self.release_option)
+            except ValueError as exc:
+                raise pytest.UsageError(f"--kvconform-vllm: {exc}") from None
+        return self._release
+
+    def apply_release(self, rules: Any) -> Any:
+        """Give ``rules`` (the reference, or a backend built on it) the selected release's rules."""
+        from .reference.rules import ReferenceRules
+
+        if isinstance(rules, ReferenceRules):
+            rules.release = self.release[0]
+        return rules
 
     def scenarios(self) -> list[Scenario]:
         """Packaged scenarios plus every ``*.toml`` under ``--kvconform-scenarios`` (loaded once).
@@ -134,6 +158,20 @@ class KVConformSession:
 
 
 session_key = pytest.StashKey[KVConformSession]()
+
+
+def _selected_release(option: str) -> tuple[Any, str]:
+    """``--kvconform-vllm`` (ini ``kvconform_vllm``), else the installed vLLM's release (a newer
+    one than the newest rule set gets the newest), else the newest rule set."""
+    from .backends.vllm.runtime import installed_vllm_version, is_vllm_installed
+    from .reference.releases import LATEST, rule_set
+
+    if option:
+        return rule_set(option), "--kvconform-vllm"
+    if not is_vllm_installed():
+        return LATEST, "newest; vLLM is not installed"
+    version = installed_vllm_version()
+    return rule_set(version, newer_is_latest=True), f"installed vLLM {version}"
 
 
 def _selected_backend(config: pytest.Config) -> tuple[str, str]:
@@ -193,12 +231,20 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "and the backend does not declare it in `inherits`",
     )
     group.addoption(
+        "--kvconform-vllm",
+        default=None,
+        metavar="RELEASE",
+        help="judge by the sizing rules of this vLLM release (0.27 ... 0.33; default: the installed "
+        "vLLM's, else the newest; ini: kvconform_vllm)",
+    )
+    group.addoption(
         "--kvconform-report",
         default=None,
         metavar="PATH",
         help="write the rule x outcome matrix to PATH (.json or .md)",
     )
     parser.addini("kvconform_backend", "default kvconform backend (see --kvconform-backend)", default="")
+    parser.addini("kvconform_vllm", "vLLM release whose rules judge (see --kvconform-vllm)", default="")
     parser.addini(
         "kvconform_backend_options", "KEY=VALUE options for the backend (see --kvconform-backend-option)",
         type="linelist", default=[],
@@ -213,6 +259,8 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(session, "kvconform-session")
     if session.explicit:
         session.backend  # noqa: B018 - resolve now: a bad name is a usage error before collection
+    if session.release_option:
+        session.release  # noqa: B018 - a bad release is a usage error before collection
     if session.extra_scenario_paths:
         session.scenarios()  # a malformed file is a usage error before collection
     if session.xfails_path:
@@ -242,16 +290,16 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     session = _session(config)
     if not session.explicit and not config.getoption("kvconform_scenarios"):
         return [f"kvconform: backend=reference (default; select with --kvconform-backend or ${ENV_BACKEND})"]
-    from .reference import VLLM_TARGET
-
     backend = session.backend
+    release, release_origin = session.release
     env = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("KVCONFORM_"))
     policy = getattr(backend, "unify_policy", None) or "per scenario"
     notes = backend.notes() if callable(getattr(backend, "notes", None)) else []
     if session.backend_options_raw:
         notes.insert(0, "options: " + " ".join(session.backend_options_raw))
     line = (
-        f"kvconform: backend={backend.name} ({backend.version}), reference=vLLM {VLLM_TARGET} rules, "
+        f"kvconform: backend={backend.name} ({backend.version}), reference=vLLM {release.release} rules "
+        f"({release_origin}), "
         f"unify policy={policy}, selected by {session.backend_origin}"
     )
     return [line + "".join(f", {part}" for part in [*notes, env] if part)]
@@ -267,11 +315,12 @@ def kv_backend(pytestconfig: pytest.Config) -> Any:
 
 
 @pytest.fixture(scope="session")
-def kv_reference() -> Any:
-    """The reference backend, the oracle every backend is compared with."""
+def kv_reference(pytestconfig: pytest.Config) -> Any:
+    """The reference backend, the oracle every backend is compared with (the rules of the
+    ``--kvconform-vllm`` release)."""
     from .backends.base import ReferenceBackend
 
-    return ReferenceBackend()
+    return _session(pytestconfig).apply_release(ReferenceBackend())
 
 
 @pytest.fixture
@@ -349,16 +398,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_runtest_call(item: pytest.Item) -> Any:
     from . import conformance
 
-    conformance.DISCARDED.clear()
-    conformance.COMPARED.clear()
+    for counter in (conformance.DISCARDED, conformance.COMPARED, conformance.EXERCISED):
+        counter.clear()
     try:
         return (yield)
     finally:
-        item.stash[_generated_key] = (sum(conformance.COMPARED.values()), sum(conformance.DISCARDED.values()))
+        compared, discarded = sum(conformance.COMPARED.values()), sum(conformance.DISCARDED.values())
+        item.stash[_generated_key] = (compared, discarded, dict(conformance.EXERCISED))
 
 
-#: (generated inputs compared, generated inputs discarded) of a property test
-_generated_key = pytest.StashKey[tuple[int, int]]()
+#: (generated inputs compared, discarded, rule -> compared inputs reaching it) of a property test
+_generated_key = pytest.StashKey[tuple[int, int, dict[str, int]]]()
 
 
 @pytest.hookimpl(wrapper=True)
@@ -373,11 +423,12 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         params = getattr(getattr(item, "callspec", None), "params", {})
         if "kv_scenario" in params:
             report.user_properties.append(("kvconform_scenario", _scenario_id(params["kv_scenario"])))
-        generated, discarded = item.stash.get(_generated_key, (0, 0))
+        generated, discarded, exercised = item.stash.get(_generated_key, (0, 0, {}))
         if call.when == "call" and (generated or discarded):
-            report.user_properties.extend(
-                [("kvconform_generated", generated), ("kvconform_discarded", discarded)]
-            )
+            report.user_properties.extend([
+                ("kvconform_generated", generated), ("kvconform_discarded", discarded),
+                ("kvconform_exercised", exercised),
+            ])  # fmt: skip
     return report
 
 
@@ -419,6 +470,12 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
             f"declared: {declared[rule]}" if rule in declared else "not declared in the backend's `inherits`"
         )
         terminalreporter.write_line(f"inherited {rule}: the backend runs the reference's code ({why})")
+    if session.exercised:
+        from .report import format_exercised
+
+        terminalreporter.write_line("generated inputs compared, per rule they reach:")
+        for line in format_exercised(session.exercised):
+            terminalreporter.write_line("  " + line)
     if session.reference_steps:
         terminalreporter.write_line("plan steps the reference answered because the backend declined them:")
         for step, count in sorted(session.reference_steps.items()):
@@ -427,5 +484,5 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         terminalreporter.write_line(session.strict_failure, red=True)
     path = config.getoption("kvconform_report")
     if path:
-        write_report(Path(path), session.backend, session.matrix)
+        write_report(Path(path), session.backend, session.matrix, session.exercised)
         terminalreporter.write_line(f"kvconform: report written to {path}")

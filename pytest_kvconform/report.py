@@ -29,7 +29,24 @@ def format_matrix(matrix: Mapping[str, Counter[str]]) -> list[str]:
     return lines
 
 
-def write_report(path: Path, backend: Any, matrix: Mapping[str, Counter[str]]) -> None:
+def format_exercised(exercised: Mapping[str, Counter[str]]) -> list[str]:
+    """One line per rule a generated input can reach: how many compared inputs of each
+    property test (rule family) reached it; 0 shows a strategy that stopped reaching it."""
+    from .strategies import EXERCISABLE_RULES
+
+    families = [f for f in _rows(exercised) if any(exercised[f[0]].values())]
+    names = [rule for rule, _ in families]
+    width = max(len(r) for r in EXERCISABLE_RULES)
+    lines = [f"{'':<{width}} " + " ".join(f"{n:>{max(len(n), 5)}}" for n in names)]
+    for reached in EXERCISABLE_RULES:
+        cells = (f"{exercised[name][reached]:>{max(len(name), 5)}}" for name in names)
+        lines.append(f"{reached:<{width}} " + " ".join(cells))
+    return lines
+
+
+def write_report(
+    path: Path, backend: Any, matrix: Mapping[str, Counter[str]], exercised: Mapping[str, Counter[str]] = {}
+) -> None:
     """``.json``: one object; anything else: a Markdown table."""
     rows = _rows(matrix)
     if path.suffix == ".json":
@@ -37,6 +54,7 @@ def write_report(path: Path, backend: Any, matrix: Mapping[str, Counter[str]]) -
             "backend": backend.name,
             "version": backend.version,
             "rules": {rule: dict(zip(OUTCOMES, counts, strict=True)) for rule, counts in rows},
+            "generated_reached": {family: dict(counts) for family, counts in exercised.items()},
         }
         path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         return

@@ -54,6 +54,9 @@ MODEL_DTYPES = ("float16", "bfloat16", "float32")
 #: ``MambaDType`` of vLLM 0.33.
 MAMBA_DTYPES = ("auto", "float16", "bfloat16", "float32")
 MAMBA_CACHE_MODES = ("none", "align")
+#: ``SpeculativeConfig.method`` values the format names (vllm/config/speculative.py); ``auto``:
+#: ``mtp`` when the model ships MTP modules (``num_nextn_predict_layers``), else ``ngram``.
+SPECULATIVE_METHODS = ("auto", "mtp", "eagle", "eagle3", "ngram", "draft_model")
 #: Page-size unification policies (``reference/unify.py``).
 UNIFY_POLICIES = ("pad-to-max", "scale-only", "lcm")
 SPEC_KINDS = ("full_attention", "sliding_window", "chunked_local", "cross_attention", "mla", "mamba")
@@ -116,6 +119,7 @@ class ModelGeometry:
     layers: str
     attention: AttentionGeometry | None = None
     state: StateGeometry | None = None
+    num_nextn_predict_layers: int = 0  # MTP modules the checkpoint ships
     hf_id: str = ""
     sources: tuple[str, ...] = ()
     confidence: str = ""
@@ -172,6 +176,10 @@ class RuntimeSettings:
     mamba_ssm_cache_dtype: str = "auto"
     mamba_cache_mode: str = "none"
     num_speculative_tokens: int = 0
+    speculative_method: str = "auto"
+    decode_context_parallel_size: int = 1
+    #: ``(name, torch dtype)`` pairs a platform adds with ``register_kv_cache_dtype`` (vLLM 0.33).
+    registered_kv_cache_dtypes: tuple[tuple[str, str], ...] = ()
     kv_cache_memory_bytes: int = 8 << 30
     num_gpu_blocks_override: int | None = None
     max_num_batched_tokens: int = 2048
@@ -332,7 +340,7 @@ class _Reader:
 def _read_model(r: _Reader, source: str) -> ModelGeometry:
     r.done(
         allowed={"hf_id", "architecture", "dtype", "num_hidden_layers", "layers", "sources",
-                 "confidence", "notes", "attention", "state"}
+                 "confidence", "notes", "attention", "state", "num_nextn_predict_layers"}
     )  # fmt: skip
     n = r.int("num_hidden_layers")
     layers = r.str("layers")
@@ -359,6 +367,7 @@ def _read_model(r: _Reader, source: str) -> ModelGeometry:
         layers=layers,
         attention=attention,
         state=state,
+        num_nextn_predict_layers=r.int("num_nextn_predict_layers", default=0, minimum=0),
         hf_id=r.str("hf_id", default=""),
         sources=tuple(sources),
         confidence=r.str("confidence", default=""),
@@ -423,13 +432,18 @@ def _read_state(r: _Reader) -> StateGeometry:
 def _read_runtime(r: _Reader, source: str) -> RuntimeSettings:
     ints = ("max_model_len", "tensor_parallel_size", "block_size", "kernel_block_alignment",
             "extra_block_alignment", "kv_cache_memory_bytes", "max_num_batched_tokens",
-            "max_concurrent_batches")  # fmt: skip
+            "max_concurrent_batches", "decode_context_parallel_size")  # fmt: skip
     strs = _RUNTIME_CHOICES
     r.done(allowed={*ints, *strs, "num_speculative_tokens", "num_gpu_blocks_override",
-                    "user_specified_block_size"})  # fmt: skip
+                    "user_specified_block_size", "registered_kv_cache_dtypes"})  # fmt: skip
+    registered = r.table("registered_kv_cache_dtypes", required=False)
     defaults = RuntimeSettings()
     values: dict[str, Any] = {k: r.int(k, default=getattr(defaults, k)) for k in ints}
-    values.update({k: r.str(k, default=getattr(defaults, k), choices=c) for k, c in strs.items()})
+    values["registered_kv_cache_dtypes"] = tuple(
+        (name, registered.str(name, choices=tuple(SPEC_DTYPES))) for name in sorted(registered.data)
+    )
+    choices = {**strs, "kv_cache_dtype": kv_cache_dtype_choices(values["registered_kv_cache_dtypes"])}
+    values.update({k: r.str(k, default=getattr(defaults, k), choices=c) for k, c in choices.items()})
     values["num_speculative_tokens"] = r.int("num_speculative_tokens", default=0, minimum=0)
     values["num_gpu_blocks_override"] = r.int("num_gpu_blocks_override", default=None)
     # Writing block_size is passing --block-size, unless the file says otherwise.
@@ -446,12 +460,15 @@ def _read_runtime(r: _Reader, source: str) -> RuntimeSettings:
 
 def _check_runtime(rt: RuntimeSettings, source: str) -> None:
     """Validate settings, including ones changed after loading (``--set``)."""
+    choices_of = {**_RUNTIME_CHOICES, "kv_cache_dtype": kv_cache_dtype_choices(rt.registered_kv_cache_dtypes)}
     for f in dataclasses.fields(rt):
         v = getattr(rt, f.name)
-        if f.name in _RUNTIME_CHOICES:
-            if v not in _RUNTIME_CHOICES[f.name]:
-                choices = ", ".join(_RUNTIME_CHOICES[f.name])
+        if f.name in choices_of:
+            if v not in choices_of[f.name]:
+                choices = ", ".join(choices_of[f.name])
                 raise ScenarioError(source, f"runtime.{f.name}", f"expected one of {choices}; got {v!r}")
+        elif f.name == "registered_kv_cache_dtypes":
+            continue  # validated when read
         elif f.name == "user_specified_block_size":
             if not isinstance(v, bool):
                 raise ScenarioError(source, f"runtime.{f.name}", f"expected true or false, got {v!r}")
@@ -466,8 +483,13 @@ def _check_runtime(rt: RuntimeSettings, source: str) -> None:
 _RUNTIME_CHOICES = {
     "kv_cache_dtype": KV_CACHE_DTYPES, "mamba_cache_dtype": MAMBA_DTYPES,
     "mamba_ssm_cache_dtype": MAMBA_DTYPES, "mamba_cache_mode": MAMBA_CACHE_MODES,
-    "unify_policy": UNIFY_POLICIES,
+    "unify_policy": UNIFY_POLICIES, "speculative_method": SPECULATIVE_METHODS,
 }  # fmt: skip
+
+
+def kv_cache_dtype_choices(registered: tuple[tuple[str, str], ...]) -> tuple[str, ...]:
+    """vLLM's ``CacheDType`` values plus the ones a platform registered (``register_kv_cache_dtype``)."""
+    return (*KV_CACHE_DTYPES, *(name for name, _ in registered if name not in KV_CACHE_DTYPES))
 
 
 _ATTENTION_SPEC_KEYS = {"kind", "count", "block_size", "num_kv_heads", "head_size", "head_size_v", "dtype",

@@ -31,6 +31,8 @@ DENSE_ARCHITECTURES = {"gqa": ("LlamaForCausalLM", "Qwen3ForCausalLM"), "sliding
 #: geometry fixes): the attention must split it into whole heads.
 _HEAD_DIM_FROM_HIDDEN = ("GraniteMoeHybridForCausalLM", "JambaForCausalLM", "Lfm2ForCausalLM")
 TENSOR_PARALLEL_SIZES = (1, 2, 4, 8)
+#: Architectures whose checkpoints ship MTP modules vLLM drafts with (``method="mtp"``).
+MTP_ARCHITECTURES = ("DeepseekV3ForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5ForConditionalGeneration")
 
 
 def gqa_table(draw: st.DrawFn, hidden_size: int | None = None) -> dict[str, Any]:
@@ -55,8 +57,8 @@ def state_tables(draw: st.DrawFn, kind: str | None = None) -> dict[str, Any]:
         table.update(intermediate_size=one_of(1024, 2048, 4096), d_state=one_of(16, 64))
     elif kind == "mamba2":
         table.update(
-            n_groups=one_of(1, 2, 8), n_heads=one_of(32, 48, 64, 128), head_dim=64, d_state=one_of(64, 128),
-            ssm_dtype=one_of("auto", "float32"),
+            n_groups=one_of(1, 1, 2, 8), n_heads=one_of(32, 48, 64, 128), head_dim=64,
+            d_state=one_of(64, 128), ssm_dtype=one_of("auto", "float32"),
         )  # fmt: skip
         table["intermediate_size"] = table["n_heads"] * table["head_dim"]  # a Mamba-2 mixer's
     elif kind == "gdn":
@@ -126,9 +128,55 @@ def scenario_dicts(draw: st.DrawFn, hybrid: bool | None = None) -> dict[str, Any
         "mamba_cache_mode": draw(st.sampled_from(["none", "align"])),
         "max_num_batched_tokens": draw(st.sampled_from([512, 2048, 8192])),
     }
+    if architecture in MTP_ARCHITECTURES:
+        model["num_nextn_predict_layers"] = draw(st.sampled_from([0, 1, 2]))
+    if not is_hybrid and "S" not in layers:  # DCP ranks dividing TP (vLLM refuses the rest)
+        tp = runtime["tensor_parallel_size"]
+        ranks = [1, 1, *(d for d in (2, 4) if tp % d == 0)]
+        runtime["decode_context_parallel_size"] = draw(st.sampled_from(ranks))
     if draw(st.booleans()):  # a --block-size; else vLLM's default and Phase 1
         runtime["block_size"] = draw(st.sampled_from([16, 32, 64, 128]))
     return {"schema": "kv-scenario/1", "name": "generated", "model": model, "runtime": runtime}
+
+
+def exercised_rules(scenario: Scenario) -> tuple[str, ...]:
+    """The TP-, speculation-, window- and block-dependent rules a generated scenario reaches
+    (the summary counts compared inputs per entry, so a strategy that stops reaching one shows)."""
+    rt, model = scenario.runtime, scenario.model
+    if model is None:
+        return ()
+    attn, state, tp = model.attention, model.state, rt.tensor_parallel_size
+    gqa = attn is not None and attn.kind == "gqa"
+    hits = (
+        tp > 1,
+        gqa and attn.num_kv_heads < tp,
+        state is not None and state.kind == "mamba2" and state.n_groups % tp != 0,
+        rt.num_speculative_tokens > 0,
+        rt.num_speculative_tokens > 0 and model.num_nextn_predict_layers > 0,
+        "S" in model.layers,
+        rt.decode_context_parallel_size > 1,
+        rt.user_specified_block_size,
+        model.is_hybrid,
+        model.use_mla,
+        rt.kv_cache_dtype != "auto",
+    )
+    return tuple(name for name, hit in zip(EXERCISABLE_RULES, hits, strict=True) if hit)
+
+
+#: What :func:`exercised_rules` reports, in this order.
+EXERCISABLE_RULES = (
+    "tensor parallel (TP > 1)",
+    "replicated KV heads (KV heads < TP)",
+    "Mamba2 extra groups (n_groups % TP != 0)",
+    "speculative tokens",
+    "MTP drafter",
+    "sliding window",
+    "decode context parallel",
+    "--block-size given",
+    "hybrid state pages",
+    "MLA",
+    "quantized KV cache",
+)
 
 
 def scenarios(hybrid: bool | None = None) -> st.SearchStrategy[Scenario]:

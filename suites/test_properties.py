@@ -23,7 +23,7 @@ from pytest_kvconform.conformance import (
     skip_if_not_provided,
 )
 from pytest_kvconform.scenario import Scenario, scenario_from_dict
-from pytest_kvconform.strategies import scenario_dicts, scenario_toml
+from pytest_kvconform.strategies import exercised_rules, scenario_dicts, scenario_toml
 
 # Inputs a backend cannot model are discarded and counted (the summary's "discarded" column);
 # hypothesis's filter_too_much health check still fails a backend that discards nearly all.
@@ -58,14 +58,14 @@ def _both(
         except RuleNotApplicable as not_applicable:
             discard(f"not applicable: {not_applicable}")
             reject()
-        compared()
+        compared(*exercised_rules(scenario))
         return None, None
     try:
         got = getattr(kv_backend, method)(*inputs, scenario=scenario)
     except RuleNotApplicable as exc:
         discard(f"not applicable: {exc}")
         reject()
-    compared()
+    compared(*exercised_rules(scenario))
     return expected, got
 
 

@@ -248,3 +248,25 @@ def test_expectations(kv_backend: Any, kv_scenario: Scenario) -> None:
              for k, v in values.items() if not _matches(v, got[k])]  # fmt: skip
     if wrong:
         pytest.fail(f"{kv_scenario.source}: backend {kv_backend.name!r}: " + "; ".join(wrong), pytrace=False)
+
+
+@pytest.mark.kvconform_rule("dtype")
+@pytest.mark.parametrize("torch_dtype", ["int8", "float32"])
+def test_registered_kv_cache_dtype(kv_backend: Any, kv_reference: Any, torch_dtype: str) -> None:
+    """A platform's own ``--kv-cache-dtype`` (``register_kv_cache_dtype``, vllm/config/cache.py,
+    vLLM 0.33) is stored in the torch dtype its handler names: Llama-3-8B's 8 KV heads x (128 + 128)
+    x 1 B (int8) = 2048 B per token per layer, x 4 B (float32) = 8192."""
+    from pytest_kvconform.scenario import scenario_from_dict
+
+    s = scenario_from_dict({
+        "schema": "kv-scenario/1", "name": f"llama-3-8b, registered kv_cache_dtype plugin_{torch_dtype}",
+        "model": {"architecture": "LlamaForCausalLM", "dtype": "bfloat16", "num_hidden_layers": 32,
+                  "layers": "A" * 32, "attention": {"kind": "gqa", "num_kv_heads": 8, "head_dim": 128}},
+        "runtime": {"kv_cache_dtype": f"plugin_{torch_dtype}",
+                    "registered_kv_cache_dtypes": {f"plugin_{torch_dtype}": torch_dtype}},
+    }, "<registered dtype>")  # fmt: skip
+    want = {"int8": 2048, "float32": 8192}[torch_dtype]
+    assert kv_reference.plan(scenario=s).attn_bytes_per_token_per_layer == want
+    got = call_rule(kv_backend, "plan", scenario=s)
+    assert_same("dtype", kv_backend, s, {"attn_bytes_per_token_per_layer": want},
+                {"attn_bytes_per_token_per_layer": got.attn_bytes_per_token_per_layer})  # fmt: skip

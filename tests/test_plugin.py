@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from pytest_kvconform.scenario import KV_CACHE_DTYPES, MODEL_DTYPES, load_scenario, packaged_scenario_names
+
 SUITES = Path(__file__).resolve().parents[1] / "suites"
 RULES_SUITE = str(SUITES / "test_rules.py")
 PROPS_SUITE = str(SUITES / "test_properties.py")
@@ -78,15 +80,28 @@ def test_wrong_rule_fails_exactly_that_rule(pytester: pytest.Pytester) -> None:
 
 def test_header_and_summary(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVCONFORM_BACKEND", "reference")
-    result = pytester.runpytest_subprocess(RULES_SUITE, "-k", "dtype", "-p", "no:cacheprovider")
+    result = pytester.runpytest_subprocess(
+        RULES_SUITE, "-k", "dtype", "-p", "no:cacheprovider", "--kvconform-vllm=0.33"
+    )
     assert result.ret == 0
     result.stdout.fnmatch_lines([
-        "kvconform: backend=reference (reference rules of vLLM 0.33.0), reference=vLLM 0.33.0 rules, "
-        "unify policy=per scenario, selected by env, KVCONFORM_BACKEND=reference",
+        "kvconform: backend=reference (reference rules of vLLM 0.33), reference=vLLM 0.33 rules "
+        "(--kvconform-vllm), unify policy=per scenario, selected by env, KVCONFORM_BACKEND=reference",
         "*kvconform: backend reference vs reference*",
         "rule family*passed*inherited*failed*skipped*xfailed*discarded",
-        "dtype*66*0*0*0",
+        f"dtype*{len(KV_CACHE_DTYPES) * len(MODEL_DTYPES) + 2}*0*0*0",  # + test_registered_kv_cache_dtype
     ])  # fmt: skip
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ("0.26", "*--kvconform-vllm: vLLM 0.26: no rule set; known releases 0.27, 0.28, *, 0.33"),
+    ("latest", "*--kvconform-vllm: vLLM version 'latest': expected MAJOR.MINOR*"),
+])  # fmt: skip
+def test_unknown_vllm_release_is_a_usage_error(pytester: pytest.Pytester, value: str, message: str) -> None:
+    pytester.makepyfile("def test_x(): pass")
+    result = pytester.runpytest(f"--kvconform-vllm={value}")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([message])
 
 
 def test_option_beats_ini_beats_env(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -150,8 +165,16 @@ def test_backend_exception_fails_only_that_test(pytester: pytest.Pytester) -> No
         RULES_SUITE, "--kvconform-backend=raising:Raising", "-k", "one_sequence or plan or groups"
     )
     outcomes = result.parseoutcomes()
-    # 11 model-level scenarios: the rule's test and the plan that composes it fail; grouping passes.
-    assert outcomes == {"failed": 22, "passed": 11, "deselected": outcomes["deselected"]}
+    # Each model-level scenario: the rule's test and the plan that composes it fail. Grouping
+    # passes on every scenario; a spec-level one skips the rule and its plan passes.
+    scenarios = [load_scenario(name) for name in packaged_scenario_names()]
+    model_level = sum(s.model is not None for s in scenarios)
+    assert outcomes == {
+        "failed": 2 * model_level,
+        "passed": 2 * len(scenarios) - model_level,
+        "skipped": len(scenarios) - model_level,
+        "deselected": outcomes["deselected"],
+    }
     result.stdout.fnmatch_lines(
         ["*[[]one_sequence[]] backend 'raising'.one_sequence_bytes raised on scenario*RuntimeError: kaboom*"]
     )
@@ -171,7 +194,8 @@ def test_xfails_file_turns_known_departures_into_strict_xfails(pytester: pytest.
     )
     backend = "--kvconform-backend=wrongbackend:WrongAlignment"
     result, rules = _matrix(pytester, RULES_SUITE, backend, f"--kvconform-xfails={xfails}", "-k", "alignment")
-    assert rules["hybrid_alignment"]["xfailed"] == 2
+    granite = [n for n in packaged_scenario_names() if n.startswith("granite-")]
+    assert rules["hybrid_alignment"]["xfailed"] == len(granite)
     failed = [line for line in result.stdout.lines if line.startswith("FAILED")]
     assert failed and not any("granite" in line for line in failed)
 
@@ -275,7 +299,8 @@ def test_an_empty_backend_is_inherited_not_passed(backends: pytest.Pytester) -> 
         backends, RULES_SUITE, "--kvconform-backend=somebackends:Mine", "-k", "dtype or plan"
     )
     assert result.ret == 0
-    assert rules["dtype"]["passed"] == 0 and rules["dtype"]["inherited"] == 66
+    dtype_tests = len(KV_CACHE_DTYPES) * len(MODEL_DTYPES) + 2  # + test_registered_kv_cache_dtype
+    assert rules["dtype"]["passed"] == 0 and rules["dtype"]["inherited"] == dtype_tests
     assert rules["plan"]["inherited"] > 0 and rules["plan"]["passed"] == 0
     result.stdout.fnmatch_lines([
         "rule family*passed*inherited*failed*skipped*xfailed*discarded",

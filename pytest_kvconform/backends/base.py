@@ -12,7 +12,6 @@ from collections.abc import Mapping
 from typing import ClassVar
 
 from ..errors import REJECTIONS, RuleError, RuleNotApplicable
-from ..reference import VLLM_TARGET
 from ..reference.rules import ReferenceRules
 from ..scenario import Scenario
 
@@ -72,7 +71,7 @@ class ReferenceBackend(ReferenceRules):
 
     @property
     def version(self) -> str:
-        return f"reference rules of vLLM {VLLM_TARGET}"
+        return f"reference rules of vLLM {self.release.release}"
 
     def notes(self) -> list[str]:
         """Facts about how this backend answers (its platform, its device), for the header."""

@@ -56,10 +56,11 @@ def attention_spec(
     kv_cache_dtype: str,
     model_dtype: str,
     tensor_parallel_size: int = 1,
+    registered_dtypes: tuple[tuple[str, str], ...] = (),
 ) -> AttentionSpec:
     """The spec one attention layer reports (``Attention``/``MLAAttention.get_kv_cache_spec``
     followed by the backend's ``customize_spec``), for ``kind`` full/sliding/chunked/cross."""
-    dtype = storage_dtype(kv_cache_dtype, model_dtype)
+    dtype = storage_dtype(kv_cache_dtype, model_dtype, registered_dtypes)
     if geometry.kind == "mla":
         head = geometry.kv_lora_rank + geometry.qk_rope_head_dim
         content: int | None = MLA_PACKED_BYTES.get(kv_cache_dtype)
@@ -71,12 +72,6 @@ def attention_spec(
             sliding_window=geometry.sliding_window if kind == "sliding_window" else None,
             attention_chunk_size=geometry.attention_chunk_size if kind == "chunked_local" else None,
         )  # fmt: skip
-    query_heads = geometry.num_attention_heads
-    if query_heads and query_heads % tensor_parallel_size:  # ModelConfig.verify_with_parallel_config
-        raise ValueError(
-            f"Total number of attention heads ({query_heads}) must be divisible by tensor parallel size "
-            f"({tensor_parallel_size})."
-        )
     heads = max(1, geometry.num_kv_heads // tensor_parallel_size)
     d = geometry.head_dim
     dv = d if geometry.head_dim_v is None else geometry.head_dim_v

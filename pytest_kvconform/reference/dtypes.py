@@ -7,6 +7,8 @@ Mirrors ``STR_DTYPE_TO_TORCH_DTYPE`` and ``get_dtype_size`` (vllm/utils/torch_ut
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from ..scenario import KV_CACHE_DTYPES
 
 #: torch dtype name -> element size in bytes (``get_dtype_size``).
@@ -18,13 +20,18 @@ DTYPE_SIZE = {
 _NAME_ALIASES = {"half": "float16", "float": "float32"}
 
 
-def storage_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
+def storage_dtype(kv_cache_dtype: str, model_dtype: str, registered: Iterable[tuple[str, str]] = ()) -> str:
     """The torch dtype a ``kv_cache_dtype`` string stores in (``STR_DTYPE_TO_TORCH_DTYPE``).
 
     ``auto`` is the model dtype (``kv_cache_dtype_str_to_dtype``). Every fp8, fp4,
     int4 and packed format is one byte: ``uint8``, except ``int8``/``int8_per_token_head``
-    (``int8``) and ``fp8_inc`` (``float8_e4m3fn``).
+    (``int8``) and ``fp8_inc`` (``float8_e4m3fn``). A name in ``registered`` stores in its
+    handler's ``torch_dtype()``, which ``register_kv_cache_dtype`` (vllm/config/cache.py, vLLM
+    0.33) writes into ``STR_DTYPE_TO_TORCH_DTYPE``, overwriting a built-in entry of that name.
     """
+    registered = dict(registered)
+    if kv_cache_dtype in registered:
+        return registered[kv_cache_dtype]
     name = _NAME_ALIASES.get(kv_cache_dtype, kv_cache_dtype)
     if name == "auto":
         return model_dtype
@@ -39,9 +46,11 @@ def storage_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
     raise ValueError(f"Invalid kv_cache_dtype: {kv_cache_dtype!r}. Valid values are: {list(KV_CACHE_DTYPES)}")
 
 
-def kv_cache_dtype_bytes(kv_cache_dtype: str, model_dtype: str) -> int:
+def kv_cache_dtype_bytes(
+    kv_cache_dtype: str, model_dtype: str, registered: Iterable[tuple[str, str]] = ()
+) -> int:
     """Element size of the KV storage dtype (``get_dtype_size(kv_cache_dtype_str_to_dtype(...))``)."""
-    return DTYPE_SIZE[storage_dtype(kv_cache_dtype, model_dtype)]
+    return DTYPE_SIZE[storage_dtype(kv_cache_dtype, model_dtype, registered)]
 
 
 def mamba_dtypes(

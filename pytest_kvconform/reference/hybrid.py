@@ -13,6 +13,8 @@ from ..model import BlockChoice, HybridAlignment
 from ..scenario import Scenario
 from .attention import attention_bytes_per_token, attention_spec
 from .mamba import state_page_bytes
+from .parallel import verify_parallel
+from .releases import LATEST, SPECULATIVE_ROWS_LATE, RuleSet
 from .specs import cdiv
 
 #: vLLM's floor for the attention block of an MLA hybrid (``if use_mla: k = max(k, 128)``).
@@ -74,8 +76,8 @@ def requested_block_size(scenario: Scenario) -> int:
     return rt.block_size if rt.user_specified_block_size else preferred_block_size(rt.kernel_block_alignment)
 
 
-def hybrid_alignment(scenario: Scenario) -> HybridAlignment | None:
-    """The alignment vLLM applies to a model-level hybrid scenario; None if not hybrid.
+def hybrid_alignment(scenario: Scenario, release: RuleSet = LATEST) -> HybridAlignment | None:
+    """The alignment ``release`` applies to a model-level hybrid scenario; None if not hybrid.
 
     The attention page is the real per-token page of one layer, packed formats included
     (for MLA ``fp8_ds_mla`` that is 656 B; vLLM 0.33's ``_align_hybrid_block_size`` prices 576, a vLLM bug).
@@ -84,18 +86,22 @@ def hybrid_alignment(scenario: Scenario) -> HybridAlignment | None:
     if model is None or not model.is_hybrid:
         return None
     assert model.attention is not None
+    verify_parallel(scenario)
     spec = attention_spec(
         model.attention, kind="full_attention", block_size=1, kv_cache_dtype=rt.kv_cache_dtype,
         model_dtype=model.dtype, tensor_parallel_size=rt.tensor_parallel_size,
+        registered_dtypes=rt.registered_kv_cache_dtypes,
     )  # fmt: skip
     return align_hybrid_block_size(
         attention_bytes_per_token(spec),
-        state_page_bytes(scenario),
+        state_page_bytes(scenario, speculative_rows=release.has("alignment_counts_speculative_rows")
+                         or model.architecture not in SPECULATIVE_ROWS_LATE),
         kernel_block_alignment=rt.kernel_block_alignment,
         block_size=requested_block_size(scenario),
         use_mla=model.use_mla,
-        extra_block_alignment=rt.extra_block_alignment if rt.mamba_cache_mode == "align" else 1,
-    )
+        extra_block_alignment=rt.extra_block_alignment
+        if rt.mamba_cache_mode == "align" and release.has("prefill_checkpoint_alignment") else 1,
+    )  # fmt: skip
 
 
 def block_choice(scenario: Scenario, alignment: HybridAlignment | None) -> BlockChoice:

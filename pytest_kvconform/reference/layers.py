@@ -13,20 +13,24 @@ from ..scenario import Scenario
 from .attention import attention_spec, indexer_spec
 from .hybrid import block_choice
 from .mamba import Shapes, state_spec
+from .parallel import verify_parallel
+from .releases import LATEST, RuleSet
 from .specs import AttentionSpec, KVCacheSpec, MambaSpec
 
 _ATTENTION_KIND = {"A": "full_attention", "P": "full_attention", "S": "sliding_window",
                    "L": "chunked_local", "X": "cross_attention"}  # fmt: skip
 
 
-def sliding_window_block_size(block_size: int, kernel_block_alignment: int) -> int:
+def sliding_window_block_size(block_size: int, kernel_block_alignment: int, release: RuleSet = LATEST) -> int:
     """``_largest_kernel_block_within`` (vllm/model_executor/layers/attention/attention.py, vLLM
-    0.32/0.33) for a backend of ``MultipleOf(kernel_block_alignment)`` and no padded page: the
+    0.30+) for a backend of ``MultipleOf(kernel_block_alignment)`` and no padded page: the
     largest aligned block whose page fits in ``block_size`` tokens' page, else the smallest kernel
     block. A sliding-window layer runs at ``(block // a) * a`` tokens, or at ``a`` when the
-    block is smaller than the kernel block ``a``."""
+    block is smaller than the kernel block ``a``. Before 0.30 it runs at ``a``."""
     a = kernel_block_alignment
-    return a if block_size < a else block_size // a * a
+    if block_size < a or not release.has("sliding_window_block_follows_primary"):
+        return a
+    return block_size // a * a
 
 
 def layer_specs(
@@ -35,6 +39,7 @@ def layer_specs(
     *,
     choice: BlockChoice | None = None,
     shapes: Shapes | None = None,
+    release: RuleSet = LATEST,
 ) -> dict[str, KVCacheSpec]:
     """Layer name -> spec, in layer order (names as vLLM's ``model.layers.{i}.*`` prefixes).
 
@@ -42,6 +47,7 @@ def layer_specs(
     padded page; ``choice`` defaults to :func:`~.hybrid.block_choice` of ``alignment`` and the
     state ``shapes`` to :func:`~.mamba.state_shapes`.
     """
+    verify_parallel(scenario)
     if scenario.is_spec_level:
         return _spec_level(scenario)
     model, rt = scenario.model, scenario.runtime
@@ -58,16 +64,18 @@ def layer_specs(
                 built[kind] = indexer_spec(attn, block_size=block)
             elif kind == "mamba":
                 built[kind] = state_spec(
-                    scenario, block_size=mamba_block, page_size_padded=padded, shapes=shapes
-                )
+                    scenario, block_size=mamba_block, page_size_padded=padded, shapes=shapes,
+                    mamba2_checkpoint_block=release.has("mamba2_prefill_checkpoint_block"),
+                )  # fmt: skip
             else:
                 assert attn is not None
                 built[kind] = attention_spec(
                     attn, kind=kind, block_size=block, kv_cache_dtype=rt.kv_cache_dtype,
                     model_dtype=model.dtype, tensor_parallel_size=rt.tensor_parallel_size,
+                    registered_dtypes=rt.registered_kv_cache_dtypes,
                 )  # fmt: skip
                 if kind == "sliding_window":
-                    window_block = sliding_window_block_size(block, rt.kernel_block_alignment)
+                    window_block = sliding_window_block_size(block, rt.kernel_block_alignment, release)
                     built[kind] = built[kind].with_block_size(window_block)
         return built[kind]
 

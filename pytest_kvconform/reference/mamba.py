@@ -56,13 +56,18 @@ def state_shapes(state: StateGeometry, tp: int = 1, num_spec: int = 0) -> Shapes
 
 
 def state_spec(
-    scenario: Scenario, *, block_size: int, page_size_padded: int | None = None, shapes: Shapes | None = None
+    scenario: Scenario,
+    *,
+    block_size: int,
+    page_size_padded: int | None = None,
+    shapes: Shapes | None = None,
+    mamba2_checkpoint_block: bool = True,
 ) -> MambaSpec:
     """The ``MambaSpec`` one state layer reports (``MambaBase.get_kv_cache_spec``).
 
-    Mamba-2 mixers export one prefill checkpoint block (``MambaMixer2``); speculative
-    tokens add conv rows and ``num_speculative_blocks`` pages. ``shapes`` defaults to
-    :func:`state_shapes` of the scenario.
+    Mamba-2 mixers export one prefill checkpoint block (``MambaMixer2``, vLLM 0.32+; not
+    without ``mamba2_checkpoint_block``); speculative tokens add conv rows and
+    ``num_speculative_blocks`` pages. ``shapes`` defaults to :func:`state_shapes` of the scenario.
     """
     model, rt = scenario.model, scenario.runtime
     assert model is not None and model.state is not None
@@ -76,10 +81,15 @@ def state_spec(
     return MambaSpec(
         block_size=block_size, shapes=shapes, dtypes=dtypes, page_size_padded=page_size_padded,
         mamba_type=state.kind, num_speculative_blocks=rt.num_speculative_tokens,
-        num_prefill_checkpoint_blocks=1 if state.kind == "mamba2" else 0,
+        num_prefill_checkpoint_blocks=1 if state.kind == "mamba2" and mamba2_checkpoint_block else 0,
     )  # fmt: skip
 
 
-def state_page_bytes(scenario: Scenario) -> int:
-    """Unpadded state page of one layer (``MambaSpec.page_size_bytes`` without padding)."""
-    return state_spec(scenario, block_size=scenario.runtime.max_model_len).real_page_size_bytes
+def state_page_bytes(scenario: Scenario, *, speculative_rows: bool = True) -> int:
+    """Unpadded state page of one layer (``MambaSpec.page_size_bytes`` without padding); without
+    ``speculative_rows``, the conv state has no rows for speculative tokens."""
+    model, rt = scenario.model, scenario.runtime
+    assert model is not None and model.state is not None
+    rows = rt.num_speculative_tokens if speculative_rows else 0
+    shapes = state_shapes(model.state, rt.tensor_parallel_size, rows)
+    return state_spec(scenario, block_size=rt.max_model_len, shapes=shapes).real_page_size_bytes

@@ -117,19 +117,22 @@ def check_memory(
     groups: Sequence[GroupSpec] | NeededBytes,
     rt: RuntimeSettings,
     estimate_for: Callable[[int], int] | None = None,
+    *,
+    reserve_null_block: bool = True,
 ) -> MemoryCheck:
     """Plan one worker's pool and run the admission check.
 
     ``num_blocks = available // bytes_per_block`` counts the null block; the check sees
-    ``available - bytes_per_block`` (vLLM 0.33 reserves the null block there) and passes
-    when ``needed <= check``. ``estimate_for(available)`` replaces :func:`estimate_max_model_len`.
+    ``available - bytes_per_block`` (vLLM 0.29+ reserves the null block there; without
+    ``reserve_null_block``, all of ``available``) and passes when ``needed <= check``.
+    ``estimate_for(available)`` replaces :func:`estimate_max_model_len`.
     """
     need = groups if isinstance(groups, NeededBytes) else need_of_groups(groups, rt)
     bpb = need.bytes_per_block
     if bpb == 0:
         raise ValueError("no KV cache groups: nothing to plan")
     available = available_kv_bytes(need, rt)
-    check = available - bpb
+    check = available - bpb if reserve_null_block else available
     needed = need.needed(rt.max_model_len)
     estimate_for = estimate_for or (lambda available: estimate_max_model_len(need, rt, available))
     estimate = estimate_for(check) if check > 0 else 0

@@ -25,7 +25,9 @@ from . import dtypes, hybrid, memory, metal
 from .grouping import get_kv_cache_groups
 from .layers import layer_specs
 from .mamba import Shapes, state_shapes
+from .releases import LATEST, RuleSet
 from .specs import AttentionSpec, KVCacheSpec, MambaSpec, cdiv
+from .speculative import with_retained_tokens
 from .unify import unify_page_sizes
 
 
@@ -37,7 +39,11 @@ def at_length(scenario: Scenario, max_model_len: int) -> Scenario:
 
 
 class ReferenceRules:
-    """vLLM 0.33.0 core rules plus vllm-metal's own (one-sequence bytes, kernel blocks)."""
+    """vLLM core rules (those of :attr:`release`; 0.33.0 by default) plus vllm-metal's own
+    (one-sequence bytes, kernel blocks)."""
+
+    #: The vLLM release whose rules answer (``--kvconform-vllm``); see :mod:`.releases`.
+    release: RuleSet = LATEST
 
     #: The page-unification policy followed; None: the scenario's ``unify_policy``.
     unify_policy: ClassVar[str | None] = None
@@ -49,11 +55,12 @@ class ReferenceRules:
     def kv_cache_dtype_bytes(
         self, kv_cache_dtype: str, model_dtype: str, scenario: Scenario | None = None
     ) -> int:
-        return dtypes.kv_cache_dtype_bytes(kv_cache_dtype, model_dtype)
+        registered = scenario.runtime.registered_kv_cache_dtypes if scenario is not None else ()
+        return dtypes.kv_cache_dtype_bytes(kv_cache_dtype, model_dtype, registered)
 
     # -- hybrid_alignment: Phase 2 of update_block_size_for_backend
     def align_hybrid_block_size(self, scenario: Scenario) -> HybridAlignment | None:
-        return hybrid.hybrid_alignment(scenario)
+        return hybrid.hybrid_alignment(scenario, self.release)
 
     # -- block_size: the cache config after update_block_size_for_backend
     def choose_block_size(self, scenario: Scenario) -> BlockChoice:
@@ -75,7 +82,7 @@ class ReferenceRules:
         has_state = model is not None and model.state is not None
         return layer_specs(
             scenario, choice=self.choose_block_size(scenario=scenario),
-            shapes=self.state_shapes(scenario=scenario) if has_state else None,
+            shapes=self.state_shapes(scenario=scenario) if has_state else None, release=self.release,
         )  # fmt: skip
 
     # -- attention_page / max_memory
@@ -96,7 +103,9 @@ class ReferenceRules:
         memo = self.__dict__.get("_groups_memo")
         if memo is not None and memo[0] is specs and memo[1] is scenario:
             return list(memo[2])
-        groups = get_kv_cache_groups(specs, unify=lambda s: self.unify_page_sizes(s, scenario=scenario))
+        # get_kv_cache_configs tags sliding-window specs with the speculative retained tokens first
+        tagged = with_retained_tokens(specs, scenario, self.release)
+        groups = get_kv_cache_groups(tagged, unify=lambda s: self.unify_page_sizes(s, scenario=scenario))
 
         def pages(spec: KVCacheSpec) -> int:
             return cdiv(self.max_memory_usage_bytes(spec, scenario=scenario), spec.page_size_bytes)
@@ -110,6 +119,7 @@ class ReferenceRules:
         return memory.check_memory(
             self._needed_bytes(specs, scenario), scenario.runtime,
             lambda available: self.estimate_max_model_len(specs, available, scenario=scenario),
+            reserve_null_block=self.release.has("null_block_reserved"),
         )  # fmt: skip
 
     def estimate_max_model_len(

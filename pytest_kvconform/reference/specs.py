@@ -58,6 +58,7 @@ class AttentionSpec:
     sliding_window: int | None = None
     attention_chunk_size: int | None = None
     cache_role: str = "kv"  # "kv" or "indexer" (DSA lightning-indexer K cache)
+    extra_retained_tokens: int = 0  # sliding window: kept below the window (speculative.py)
 
     def __post_init__(self) -> None:
         if self.kind not in ATTENTION_SPEC_KINDS:
@@ -98,22 +99,29 @@ class AttentionSpec:
     def max_memory_usage_bytes(self, rt: RuntimeSettings) -> int:
         """``max_memory_usage_bytes`` of the spec class named by ``kind``.
 
-        full/MLA: ``cdiv(L, bs) * P``; sliding window: ``(cdiv(min(sw - 1 + F, L), bs) + 1) * P``
-        with ``F`` the in-flight tokens; chunked local: ``cdiv(min(chunk + F, L), bs) * P``;
-        cross attention: ``cdiv(max_num_encoder_input_tokens, bs) * P``, where the encoder
-        budget defaults to ``max_num_batched_tokens`` (vllm/config/scheduler.py).
+        full/MLA: ``cdiv(L', bs) * P`` with ``L' = cdiv(L, dcp)`` (``FullAttentionSpec``: decode
+        context parallelism shards the tokens of every attention cache over ``dcp`` ranks);
+        sliding window: ``(cdiv(min(sw - 1 + extra + F, L), bs) + 1) * P`` with ``F`` the
+        in-flight tokens and ``extra`` the speculative retained tokens
+        (``SlidingWindowSpec.max_admission_blocks_per_request``; it asserts ``dcp == 1``);
+        chunked local: ``cdiv(min(chunk + F, L), bs) * P``; cross attention:
+        ``cdiv(max_num_encoder_input_tokens, bs) * P``, where the encoder budget defaults to
+        ``max_num_batched_tokens`` (vllm/config/scheduler.py).
         """
         length, bs, page = rt.max_model_len, self.block_size, self.page_size_bytes
         in_flight = rt.max_concurrent_batches * rt.max_num_batched_tokens
         if self.kind == "sliding_window":
             assert self.sliding_window is not None
-            return (cdiv(min(self.sliding_window - 1 + in_flight, length), bs) + 1) * page
+            if rt.decode_context_parallel_size > 1:
+                raise ValueError("DCP not support sliding window.")
+            retained = self.sliding_window - 1 + self.extra_retained_tokens + in_flight
+            return (cdiv(min(retained, length), bs) + 1) * page
         if self.kind == "chunked_local":
             assert self.attention_chunk_size is not None
             return cdiv(min(self.attention_chunk_size + in_flight, length), bs) * page
         if self.kind == "cross_attention":
             return cdiv(rt.max_num_batched_tokens, bs) * page
-        return cdiv(length, bs) * page
+        return cdiv(cdiv(length, rt.decode_context_parallel_size), bs) * page
 
 
 @dataclass(frozen=True)

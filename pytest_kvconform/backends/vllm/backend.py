@@ -24,11 +24,12 @@ from typing import Any, ClassVar, TypeVar
 from ...model import BlockChoice, HybridAlignment, KVCacheGroup, MemoryCheck
 from ...reference.mamba import Shapes
 from ...reference.specs import AttentionSpec, KVCacheSpec, MambaSpec
+from ...reference.speculative import speculative_method
 from ...scenario import Scenario
 from ..base import ReferenceBackend
 from . import configs, hybrid, layers, planning
 from . import specs as vllm_specs
-from .offline import CACHES, config_json
+from .offline import CACHES, config_json, register_kv_cache_dtypes
 from .platform import (
     CPU_FEATURES,
     HookChange,
@@ -137,6 +138,8 @@ class VllmBackend(ReferenceBackend):
         """vLLM calls under this backend's platform; hook changes are kept per scenario."""
         platform = self.platform_for(scenario)
         with platform_scope(platform) as log, cpu_probes(self.cpu_features):
+            if scenario is not None:  # what the platform registers when it is activated
+                register_kv_cache_dtypes(scenario.runtime.registered_kv_cache_dtypes)
             yield platform
         if scenario is not None and log.changes:
             kept = self.departures.setdefault(scenario.name, [])
@@ -166,8 +169,9 @@ class VllmBackend(ReferenceBackend):
         except UnsupportedByVllmError as exc:
             return str(exc)
         model = scenario.model
-        if scenario.runtime.num_speculative_tokens:
-            return "speculative decoding needs a draft model; not built offline"
+        method = speculative_method(scenario)
+        if method not in (None, "mtp", "ngram"):
+            return f"speculative method {method!r} needs a draft checkpoint; not built offline"
         dtype = scenario.runtime.kv_cache_dtype
         if model is not None and model.is_hybrid and model.use_mla and dtype in PACKED_MLA_DTYPES:
             return f"known vLLM bug: the hybrid planner prices {dtype} MLA at 576 B/token"

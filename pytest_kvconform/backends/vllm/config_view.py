@@ -5,7 +5,8 @@ vLLM's KV planning reads ``model_config`` (``max_model_len``, ``original_max_mod
 ``max_concurrent_batches``. For per-spec rules that have no model, :class:`VllmConfigView`
 replaces just those two on a real ``VllmConfig()`` built from the runtime settings; every
 other attribute (cache, scheduler and parallel configs, the layout, the config builder) is
-vLLM's own.
+vLLM's own. Speculative decoding needs a model: a spec-level config has none, so vLLM's
+``num_prefill_lookahead_tokens`` is 0 there.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ class VllmConfigView:
 
 
 def base_config(rt: RuntimeSettings) -> Any:
-    """A fresh ``VllmConfig()`` (no model) with the runtime's cache and scheduler settings."""
+    """A fresh ``VllmConfig()`` (no model) with the runtime's cache, scheduler and parallel settings."""
     from vllm.config import CacheConfig, SchedulerConfig, VllmConfig
 
     cache = CacheConfig(
@@ -75,7 +76,15 @@ def base_config(rt: RuntimeSettings) -> Any:
         max_model_len=rt.max_model_len, is_encoder_decoder=False,
         max_num_batched_tokens=rt.max_num_batched_tokens,
     )  # fmt: skip
-    return VllmConfig(cache_config=cache, scheduler_config=scheduler)
+    return VllmConfig(cache_config=cache, scheduler_config=scheduler, parallel_config=parallel_config(rt))
+
+
+def parallel_config(rt: RuntimeSettings) -> Any:
+    """``ParallelConfig`` of the runtime's tensor and decode-context parallel sizes."""
+    from vllm.config import ParallelConfig
+
+    tp, dcp = rt.tensor_parallel_size, rt.decode_context_parallel_size
+    return ParallelConfig(tensor_parallel_size=tp, decode_context_parallel_size=dcp)
 
 
 def spec_level_config(rt: RuntimeSettings) -> VllmConfigView:

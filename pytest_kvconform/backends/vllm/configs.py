@@ -46,7 +46,13 @@ def hf_config_dict(scenario: Scenario) -> dict[str, Any]:
         "vocab_size": 1024, "max_position_embeddings": max(rt.max_model_len, 4096),
         "torch_dtype": model.dtype, "intermediate_size": 256, "tie_word_embeddings": False,
     }  # fmt: skip
-    return write(scenario, common)
+    config = write(scenario, common)
+    if model.num_nextn_predict_layers:  # the MTP modules, which SpeculativeConfig reads
+        if "text_config" in config:  # Qwen3.5/3.6
+            config["text_config"]["mtp_num_hidden_layers"] = model.num_nextn_predict_layers
+        else:
+            config["num_nextn_predict_layers"] = model.num_nextn_predict_layers
+    return config
 
 
 def _state(scenario: Scenario, kind: str) -> Any:

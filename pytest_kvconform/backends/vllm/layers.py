@@ -103,7 +103,8 @@ def build_engine_specs(scenario: Scenario, platform: type) -> EngineSpecs:
     vllm_runtime()
     rt = scenario.runtime
     config = vllm_config(scenario, platform)
-    with LOCK, set_current_vllm_config(config), parallel_groups(rt.tensor_parallel_size):
+    groups = parallel_groups(rt.tensor_parallel_size, rt.decode_context_parallel_size)
+    with LOCK, set_current_vllm_config(config), groups:
         try:
             with torch.device("meta"):
                 _model_class(config)(vllm_config=config, prefix="")
@@ -137,7 +138,9 @@ def rerun_hooks(scenario: Scenario, platform: type) -> dict[str, list[HookChange
     engine = build_engine_specs(scenario, platform)
     platform_cls = type(current_platform)
     changes = {}
-    with LOCK, set_current_vllm_config(engine.config), parallel_groups(scenario.runtime.tensor_parallel_size):
+    rt = scenario.runtime
+    groups = parallel_groups(rt.tensor_parallel_size, rt.decode_context_parallel_size)
+    with LOCK, set_current_vllm_config(engine.config), groups:
         for hook in ("update_block_size_for_backend", "check_and_update_config"):
             before = snapshot(engine.config)
             getattr(platform_cls, hook)(engine.config)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ...scenario import Scenario
+from .config_view import parallel_config
 from .configs import QWEN35, hf_config_dict
 from .platform import HookChange, platform_scope, resolve_platform
 from .runtime import UnsupportedByVllmError
@@ -73,12 +74,10 @@ CACHES.append(_model_config)
 
 def vllm_config(scenario: Scenario, platform: type) -> Any:
     """The scenario's ``VllmConfig``; call it inside ``platform_scope(platform)``."""
-    from vllm.config import CacheConfig, DeviceConfig, ParallelConfig, SchedulerConfig, VllmConfig
+    from vllm.config import CacheConfig, DeviceConfig, SchedulerConfig, VllmConfig
 
     model, rt = scenario.model, scenario.runtime
     assert model is not None
-    if rt.num_speculative_tokens:
-        raise UnsupportedByVllmError("speculative decoding needs a draft model; not built offline")
     # A shallow copy per VllmConfig: the model's verify_and_update_config hooks (which also set
     # cache_config.mamba_block_size) run once per ModelConfig object (``config_updated``).
     model_config = copy.copy(_model_config(config_json(scenario), model.dtype, rt.max_model_len, platform))
@@ -88,6 +87,7 @@ def vllm_config(scenario: Scenario, platform: type) -> Any:
             f"max_concurrent_batches={rt.max_concurrent_batches}: vLLM derives it from async scheduling "
             "(2) or pipeline parallelism, which the offline config does not model"
         )
+    register_kv_cache_dtypes(rt.registered_kv_cache_dtypes)
     align = rt.mamba_cache_mode == "align"
     cache = CacheConfig(
         # no --block-size: vLLM's default, then Phase 1 of update_block_size_for_backend
@@ -102,16 +102,60 @@ def vllm_config(scenario: Scenario, platform: type) -> Any:
         max_num_batched_tokens=rt.max_num_batched_tokens,
         async_scheduling=rt.max_concurrent_batches == 2,  # max_concurrent_batches: 2 with async scheduling
     )  # fmt: skip
+    parallel = parallel_config(rt)
     config = VllmConfig(
         model_config=model_config, cache_config=cache, scheduler_config=scheduler,
-        device_config=DeviceConfig(device="cpu"),
-        parallel_config=ParallelConfig(tensor_parallel_size=rt.tensor_parallel_size),
+        device_config=DeviceConfig(device="cpu"), parallel_config=parallel,
+        speculative_config=speculative_config(scenario, model_config, parallel),
     )  # fmt: skip
     if getattr(model_config.hf_config, "kvconform_substitutes", None) in QWEN35:
         from vllm.model_executor.models.config import Qwen3_5ForConditionalGenerationConfig
 
         Qwen3_5ForConditionalGenerationConfig.verify_and_update_config(config)
     return config
+
+
+def register_kv_cache_dtypes(registered: tuple[tuple[str, str], ...]) -> None:
+    """Register the scenario's plugin dtypes the way a platform does: ``register_kv_cache_dtype``
+    (vllm/config/cache.py, vLLM 0.33) with a handler whose ``torch_dtype()`` is the named torch
+    dtype and whose ``quant_mode()`` is ``KVQuantMode.NONE`` (a plain storage dtype)."""
+    if not registered:
+        return
+    try:
+        from vllm.config.cache import register_kv_cache_dtype
+    except ImportError:
+        raise UnsupportedByVllmError("this vLLM has no register_kv_cache_dtype (new in 0.33)") from None
+    import torch
+    from vllm.config.cache import get_kv_cache_dtype_handler
+    from vllm.v1.kv_cache_interface import KVQuantMode
+
+    for name, dtype in registered:
+        torch_dtype = getattr(torch, dtype)
+        handler = get_kv_cache_dtype_handler(name)
+        if handler is not None and handler.torch_dtype() == torch_dtype:
+            continue
+        register_kv_cache_dtype(name)(type(f"KvconformDtype_{name}", (), {
+            "name": name, "torch_dtype": lambda self, d=torch_dtype: d,
+            "quant_mode": lambda self: KVQuantMode.NONE,
+        }))  # fmt: skip
+
+
+def speculative_config(scenario: Scenario, model_config: Any, parallel: Any) -> Any:
+    """``SpeculativeConfig`` for drafters that need no second checkpoint: ``mtp`` (the model's
+    own MTP modules; vLLM derives the draft config from the target's) and ``ngram``."""
+    from vllm.config import SpeculativeConfig
+
+    from ...reference.speculative import speculative_method
+
+    method = speculative_method(scenario)
+    if method is None:
+        return None
+    if method not in ("mtp", "ngram"):
+        raise UnsupportedByVllmError(f"speculative method {method!r}: needs a draft checkpoint")
+    return SpeculativeConfig(
+        method=method, num_speculative_tokens=scenario.runtime.num_speculative_tokens,
+        target_model_config=model_config, target_parallel_config=parallel,
+    )  # fmt: skip
 
 
 def build_vllm_config(scenario: Scenario, platform: type | str | None = None) -> tuple[Any, list[HookChange]]:

