@@ -191,3 +191,52 @@ def test_known_failures_cover_the_probe() -> None:
     reasons = " ".join(VllmBackend.known_failures[k] for k in keys if stem in k)
     for number in ("576", "656", "3840", "3328", "2,211,840", "2,519,040"):
         assert number in reasons
+
+
+# Lfm2 with speculative decoding (vLLM 0.29 to 0.33): Lfm2ForCausalLM.get_mamba_state_shape_from_config
+# (vllm/model_executor/models/lfm2.py) calls MambaStateShapeCalculator.short_conv_state_shape without
+# num_spec, while the ShortConv layer passes num_speculative_tokens. Numbers derived here:
+# conv_dim 1024, conv kernel 2, bf16: the planner's state is (2 - 1) x 1024 x 2 = 2048 B; one KV head
+# of 64, bf16 K+V: 256 B/token, so block 16 * cdiv(2048, 16 * 256) = 16 and a padded page of 4096 B.
+LFM2 = """schema = "kv-scenario/1"
+name = "lfm2 short conv + speculative tokens"
+[model]
+architecture = "Lfm2ForCausalLM"
+dtype = "bfloat16"
+num_hidden_layers = 2
+layers = "MA"
+[model.attention]
+kind = "gqa"
+num_kv_heads = 1
+head_dim = 64
+[model.state]
+kind = "short_conv"
+conv_kernel = 2
+conv_dim = 1024
+[runtime]
+max_model_len = 1
+num_speculative_tokens = {spec}
+"""
+
+
+@pytest.mark.parametrize(("spec", "layer_page"), [(1, 2 * 1024 * 2), (2, 3 * 1024 * 2)])
+def test_lfm2_planner_omits_the_speculative_conv_rows(va: Any, spec: int, layer_page: int) -> None:
+    """vLLM aligns for 2048 B whatever the speculative tokens; the layer holds (1 + spec) rows. At
+    spec 1 the padded page (4096) still covers the layer's 4096 B; at spec 2 (6144 B) vLLM's own
+    ``MambaSpec.page_size_bytes`` asserts: the engine cannot start."""
+    from pytest_kvconform.backends.vllm import VllmBackend
+    from pytest_kvconform.scenario import parse_scenario
+
+    s = parse_scenario(LFM2.format(spec=spec))
+    got = va.align_hybrid_block_size(s)
+    assert (got.state_page_bytes, got.block_size, got.state_page_padded_bytes) == (2048, 16, 4096)
+    reference = hybrid_alignment(s)
+    assert reference is not None and reference.state_page_bytes == layer_page
+    backend = VllmBackend()
+    if layer_page <= 4096:
+        (state,) = [x for x in backend.layer_specs(s).values() if isinstance(x, MambaSpec)]
+        assert state.shapes == ((1 + spec, 1024),)
+    else:
+        with pytest.raises(AssertionError):
+            backend.layer_specs(s)
+    assert "known vLLM bug" in (backend.unsupported(s) or "")

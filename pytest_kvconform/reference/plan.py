@@ -23,6 +23,7 @@ from .metal import one_sequence_tokens
 from .specs import AttentionSpec, MambaSpec
 
 if TYPE_CHECKING:
+    from .releases import RuleSet
     from .rules import ReferenceRules
 
 
@@ -58,10 +59,14 @@ class PlanTrace:
 
 
 @functools.cache
-def reference_rules() -> ReferenceRules:
+def reference_rules(release: RuleSet | None = None) -> ReferenceRules:
+    """The reference's rules, of ``release`` (default: the latest rule set)."""
     from .rules import ReferenceRules
 
-    return ReferenceRules()
+    rules = ReferenceRules()
+    if release is not None:
+        rules.release = release
+    return rules
 
 
 def plan(scenario: Scenario) -> KVPlan:
@@ -106,7 +111,9 @@ class _Steps:
                 self._record(family, method, "backend")
                 return value
         try:
-            value = getattr(reference_rules(), method)(*inputs, scenario=self.scenario)
+            # the steps a backend declines are answered by the rules of the release it is judged by
+            fallback = reference_rules(getattr(self.rules, "release", None))
+            value = getattr(fallback, method)(*inputs, scenario=self.scenario)
         except REJECTIONS:
             if rejected is _RAISE:
                 raise

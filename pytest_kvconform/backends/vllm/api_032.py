@@ -22,8 +22,10 @@ def kv_cache_config(config: Any, specs: Mapping[str, Any], available: int) -> An
 
 
 def pool_bytes_per_block(config: Any, kv_cache_groups: list[Any]) -> int:
-    """``_pool_bytes_per_block``."""
-    return int(vllm_runtime().fn("_pool_bytes_per_block")(config, kv_cache_groups))
+    """``_pool_bytes_per_block`` (its signature changed in 0.29 and 0.32: ``compat``)."""
+    from .compat import pool_bytes_per_block
+
+    return pool_bytes_per_block(config, kv_cache_groups)
 
 
 def max_memory_usage_bytes(config: Any, kv_cache_groups: list[Any]) -> int:

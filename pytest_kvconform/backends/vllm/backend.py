@@ -29,6 +29,7 @@ from ...scenario import Scenario
 from ..base import ReferenceBackend
 from . import configs, hybrid, layers, planning
 from . import specs as vllm_specs
+from .compat import kv_cache_dtypes
 from .offline import CACHES, config_json, register_kv_cache_dtypes
 from .platform import (
     CPU_FEATURES,
@@ -56,6 +57,13 @@ VLLM_UNIFY_POLICY = "pad-to-max"
 #: MLA formats whose stored bytes per token differ from ``kv_lora_rank + qk_rope_head_dim``
 #: (the layer sets ``state_content_bytes``); vLLM's hybrid planner ignores that.
 PACKED_MLA_DTYPES = ("fp8_ds_mla", "nvfp4_ds_mla")
+
+_LFM2_SPECULATIVE_ROWS = (
+    "Lfm2ForCausalLM.get_mamba_state_shape_from_config (vllm/model_executor/models/lfm2.py, 0.29 to "
+    "0.33) omits num_spec, so Platform._align_hybrid_block_size sizes the block for conv_kernel - 1 rows "
+    "while the ShortConv layer's spec holds conv_kernel - 1 + num_speculative_tokens; when the padded "
+    "state page is smaller, MambaSpec.page_size_bytes asserts (tests/test_vllm_known_bugs.py)"
+)
 
 _B2_MLA_HYBRID = (
     "vLLM bug: Platform._align_hybrid_block_size (vllm/platforms/interface.py, 0.32 and 0.33) prices an "
@@ -173,8 +181,17 @@ class VllmBackend(ReferenceBackend):
         if method not in (None, "mtp", "ngram"):
             return f"speculative method {method!r} needs a draft checkpoint; not built offline"
         dtype = scenario.runtime.kv_cache_dtype
+        registered = dict(scenario.runtime.registered_kv_cache_dtypes)
+        if dtype not in registered and dtype not in kv_cache_dtypes():
+            return f"vLLM {self.version} has no kv_cache_dtype {dtype!r}"
         if model is not None and model.is_hybrid and model.use_mla and dtype in PACKED_MLA_DTYPES:
             return f"known vLLM bug: the hybrid planner prices {dtype} MLA at 576 B/token"
+        if (
+            model is not None
+            and model.architecture == "Lfm2ForCausalLM"
+            and scenario.runtime.num_speculative_tokens
+        ):
+            return f"known vLLM bug: {_LFM2_SPECULATIVE_ROWS}"
         return None
 
     # ------------------------------------------------------------------ the engine's view
@@ -239,7 +256,11 @@ class VllmBackend(ReferenceBackend):
     # -- layer_specs: the worker's get_kv_cache_spec over the model's own layers
     def layer_specs(self, scenario: Scenario) -> dict[str, KVCacheSpec]:
         engine = self.engine(scenario)
-        specs = {name: vllm_specs.from_vllm_spec(spec) for name, spec in engine.specs.items()}
+        layers = engine.config.compilation_config.static_forward_context
+        specs = {
+            name: vllm_specs.from_vllm_spec(spec, layer=layers.get(name))
+            for name, spec in engine.specs.items()
+        }
         self._returned[id(specs)] = (specs, engine)
         while len(self._returned) > 8:
             self._returned.popitem(last=False)

@@ -22,6 +22,7 @@ from typing import Any
 
 from ...model import BlockChoice
 from ...scenario import Scenario
+from .compat import non_ssm_backends
 from .offline import vllm_config
 from .platform import HookChange, diff, snapshot
 from .runtime import LOCK, UnsupportedByVllmError, vllm_runtime
@@ -116,7 +117,7 @@ def build_engine_specs(scenario: Scenario, platform: type) -> EngineSpecs:
                 f"{type(exc).__name__}: {exc}"
             ) from exc
         platform_cls = type(current_platform)
-        backends = tuple(platform_cls._find_non_ssm_backends(config))
+        backends = non_ssm_backends(platform_cls, config)
         platform_cls.update_block_size_for_backend(config)
         runner = SimpleNamespace(vllm_config=config, shared_kv_cache_layers={})
         specs = GPUModelRunner.get_kv_cache_spec(runner)  # type: ignore[arg-type]

