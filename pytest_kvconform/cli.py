@@ -1,11 +1,14 @@
 """``kvconform``: plan a scenario from the command line.
 
 kvconform plan granite-4.0-h-tiny --set max_model_len=2048 --json
+kvconform check --backend metal [SCENARIO|FILE|DIR ...] [--json] [--report PATH]
+kvconform explain granite-4.0-h-tiny [--backend X] [--svg block.svg]
 kvconform list
 
-Exit status: 0 done; 1 the rules reject the scenario (as the engine would refuse to start);
-2 an error, printed on one line: a bad scenario, file or ``--set``, a backend that cannot be
-resolved, cannot answer this input or raised.
+Exit status: 0 done (``check``: no departure); 1 the rules reject the scenario (as the engine
+would refuse to start), or ``check``/``explain --backend`` found a departure; 2 an error,
+printed on one line: a bad scenario, file or ``--set``, a backend that cannot be resolved,
+cannot answer this input or raised.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import argparse
 import dataclasses
 import json
 import sys
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -99,11 +103,149 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _release(args: argparse.Namespace) -> tuple[Any, str]:
+    from .plugin import _selected_release
+
+    try:
+        return _selected_release(args.vllm or "")
+    except ValueError as exc:
+        raise CliError(f"--vllm: {exc}") from None
+
+
+def _judged(args: argparse.Namespace) -> tuple[Any, Any, tuple[Any, str]]:
+    """The backend under check and the reference, both with the selected release's rules."""
+    from .backends.base import ReferenceBackend
+    from .reference.rules import ReferenceRules
+
+    release = _release(args)
+    backend, reference = _backend(args), ReferenceBackend()
+    for rules in (backend, reference):
+        if isinstance(rules, ReferenceRules):
+            rules.release = release[0]
+    return backend, reference, release
+
+
+def _scenarios(items: Sequence[str]) -> list[Any]:
+    """Packaged scenarios when ``items`` is empty; else each name or file, and every ``*.toml`` of
+    each folder."""
+    if not items:
+        return [load_scenario(n) for n in packaged_scenario_names()]
+    found = []
+    for item in items:
+        path = Path(item)
+        if path.is_dir():
+            files = sorted(path.glob("*.toml"))
+            if not files:
+                raise CliError(f"{item}: no *.toml scenario files in this folder")
+            found += [load_scenario(f) for f in files]
+        else:
+            found.append(load_scenario(item))
+    return found
+
+
+def _departure_line(record: dict[str, Any]) -> str:
+    """One line per non-passing record: outcome, scenario, rule, then the first differing field
+    with both values, or the message (skip or xfail reason, failure)."""
+    diff = record["difference"]
+    what = (f"{diff['field']}: reference {diff['reference']}, backend {diff['backend']}"
+            if diff and record["outcome"] == "failed" else record["message"])  # fmt: skip
+    return f"{record['outcome'].upper():<9} {record['scenario']} [{record['rule']}] {what}"
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from .backends.registry import BackendError, parse_options
+    from .checks import run_checks
+    from .conformance import load_xfails
+    from .report import format_matrix, matrix_of, report_document, write_report
+
+    scenarios = _scenarios(args.scenarios)
+    backend, reference, (release, selected_by) = _judged(args)
+    xfails: dict[str, str] = {}
+    if args.xfails:
+        try:
+            xfails = load_xfails(Path(args.xfails), backend.name)
+        except ValueError as exc:
+            raise CliError(f"--xfails: {exc}") from None
+    records = run_checks(backend, reference, scenarios, xfails)
+    try:
+        options = parse_options(args.backend_options)
+    except BackendError as exc:  # already resolved above; kept for the type checker
+        raise CliError(str(exc)) from None
+    document = report_document(
+        backend, matrix_of(records), records=records, options=options, producer="kvconform check",
+        reference={"vllm_release": release.release, "selected_by": selected_by},
+    )  # fmt: skip
+    if args.report:
+        try:
+            write_report(Path(args.report), document)
+        except OSError as exc:
+            raise CliError(f"--report: {args.report}: {exc.strerror or exc}") from None
+    failed = [r for r in records if r["outcome"] == "failed"]
+    if args.json:
+        print(json.dumps(document, indent=2, sort_keys=True))
+    else:
+        for record in records:
+            if record["outcome"] != "passed":
+                print(_departure_line(record))
+        print("\n".join(format_matrix(matrix_of(records))))
+        print(f"kvconform check: backend {backend.name} ({backend.version}), {len(scenarios)} scenarios, "
+              f"reference vLLM {release.release} rules: {len(failed)} failed")  # fmt: skip
+    return 1 if failed else 0
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    from .errors import REJECTIONS
+    from .explain import STEP_OF_RULE, block_svg, derivation, format_steps
+
+    scenario = load_scenario(args.scenario)
+    args.backend_options = args.backend_options or []
+    backend, reference, _ = _judged(args)
+    try:
+        steps = derivation(reference, scenario)
+    except REJECTIONS as exc:
+        print(f"kvconform: {scenario.name}: rejected: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    if args.svg:
+        try:
+            svg = block_svg(reference, scenario)
+        except ValueError as exc:
+            raise CliError(f"--svg: {exc}") from None
+        try:
+            Path(args.svg).write_text(svg, encoding="utf-8")
+        except OSError as exc:
+            raise CliError(f"--svg: {args.svg}: {exc.strerror or exc}") from None
+    print(f"{scenario.name} ({scenario.source}), reference vLLM {reference.release.release} rules")
+    print(format_steps(steps))
+    if args.backend == "reference" and not args.backend_options:
+        return 0
+    from .checks import run_check, scenario_checks
+
+    records = [run_check(c, backend, reference, scenario) for c in scenario_checks(reference, scenario)]
+    failed = next((r for r in records if r["outcome"] == "failed"), None)
+    if failed is None:
+        counts = ", ".join(f"{n} {o}" for o, n in sorted(Counter(r["outcome"] for r in records).items()))
+        print(f"backend {backend.name} ({backend.version}): no departure ({counts})")
+        return 0
+    titles = [s.title for s in steps]
+    step = STEP_OF_RULE.get(failed["rule"], failed["rule"])
+    where = f"step {titles.index(step) + 1} ({step})" if step in titles else step
+    diff = failed["difference"]
+    what = (f"{diff['field']}: reference {diff['reference']}, backend {diff['backend']}" if diff
+            else failed["message"])  # fmt: skip
+    print(
+        f"backend {backend.name} ({backend.version}) departs first at {where}, rule {failed['rule']}: {what}"
+    )
+    return 1
+
+
 def _add_backend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="reference", help="backend to plan with (default: reference)")
     p.add_argument("--backend-option", dest="backend_options", action="append", default=[],
                    metavar="KEY=VALUE",
                    help="keyword argument for the backend's constructor; repeatable")  # fmt: skip
+    p.add_argument("--vllm", metavar="RELEASE", default=None,
+                   help="judge by this vLLM release's rules (default: the installed vLLM's, else "
+                        "the newest)")  # fmt: skip
 
 
 def parser() -> argparse.ArgumentParser:
@@ -118,6 +260,23 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     _add_backend_args(p)
     p.set_defaults(run=cmd_plan)
+    p = sub.add_parser("check", help="compare a backend with the reference, per scenario and rule family")
+    p.add_argument(
+        "scenarios",
+        nargs="*",
+        metavar="SCENARIO",
+        help="packaged scenario names, TOML files or folders of *.toml (default: all packaged)",
+    )
+    p.add_argument("--json", action="store_true", help="print the report document (kvconform-report/1)")
+    p.add_argument("--report", metavar="PATH", help="also write the report: PATH.json, else Markdown")
+    p.add_argument("--xfails", metavar="PATH", help="TOML file of known failures, as --kvconform-xfails")
+    _add_backend_args(p)
+    p.set_defaults(run=cmd_check)
+    p = sub.add_parser("explain", help="the derivation of one scenario, step by step")
+    p.add_argument("scenario")
+    p.add_argument("--svg", metavar="FILE", help="draw one pool block (pages and padding) of a hybrid")
+    _add_backend_args(p)
+    p.set_defaults(run=cmd_explain)
     sub.add_parser("list", help="list the packaged scenarios").set_defaults(
         run=lambda args: print("\n".join(packaged_scenario_names())) or 0
     )

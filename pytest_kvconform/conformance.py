@@ -23,6 +23,7 @@ from .scenario import Scenario, load_scenario
 __all__ = [
     "REJECTIONS",
     "RULE_FAMILIES",
+    "Departure",
     "Difference",
     "RuleNotApplicable",
     "assert_same",
@@ -32,6 +33,7 @@ __all__ = [
     "departure",
     "discard",
     "first_difference",
+    "inherits_rule",
     "known_failure",
     "layer_spec_difference",
     "outcome",
@@ -192,12 +194,31 @@ def departure(rule: str, backend: Any, scenario: Scenario | None, expected: Any,
     return f"[{rule}] backend {backend.name!r}{where}: {diff[0]}: reference {diff[1]!r}, backend {diff[2]!r}"
 
 
+class Departure(pytest.fail.Exception):  # type: ignore[misc,name-defined]
+    """A test failure that is a departure from the reference: :func:`departure`'s line, plus the
+    rule, the first differing field and both values (the report records them)."""
+
+    __module__ = "builtins"  # shown as ``Departure: [rule] ...``, as pytest shows ``Failed: ...``
+
+    def __init__(
+        self, message: str, rule: str, field: str, reference: Any, backend: Any, pytrace: bool = True
+    ) -> None:
+        super().__init__(message, pytrace=pytrace)
+        self.rule, self.field, self.reference, self.backend = rule, field, reference, backend
+
+    def to_dict(self) -> dict[str, str]:
+        """JSON-serialisable (it travels as a user property under xdist): the values as ``repr``."""
+        return {"field": self.field, "reference": repr(self.reference), "backend": repr(self.backend)}
+
+
 def assert_same(rule: str, backend: Any, scenario: Scenario | None, expected: Any, got: Any) -> None:
-    """Fail the test with :func:`departure`'s line when ``got`` departs from ``expected``."""
+    """Fail the test with :func:`departure`'s line (as a :class:`Departure`) when ``got`` departs
+    from ``expected``."""
     __tracebackhide__ = True  # the test's line, and hypothesis's counterexample note, stay shown
     message = departure(rule, backend, scenario, expected, got)
     if message is not None:
-        pytest.fail(message)
+        field, want, have = first_difference(expected, got)  # type: ignore[misc]
+        raise Departure(message, rule, field, want, have)
 
 
 class _Missing:
@@ -208,30 +229,43 @@ class _Missing:
 _MISSING = _Missing()
 
 
-def layer_spec_difference(expected: Mapping[str, Any], got: Mapping[str, Any]) -> str | None:
-    """Compare two ``layer name -> spec`` maps layer by layer (:func:`layer_key`); the first
-    difference as one line, or None."""
+def first_layer_difference(
+    expected: Mapping[str, Any], got: Mapping[str, Any]
+) -> tuple[str, Any, Any] | None:
+    """Compare two ``layer name -> spec`` maps layer by layer (:func:`layer_key`): the first
+    difference as ``(field, reference, backend)``, the field naming the layer, or None."""
     want = {layer_key(n, s): spec_fields(s) for n, s in expected.items()}
     have = {layer_key(n, s): spec_fields(s) for n, s in got.items()}
     missing, extra = [k for k in want if k not in have], [k for k in have if k not in want]
     if missing or extra:
-        return f"layers differ: missing {missing[:5]}, unexpected {extra[:5]} (layer index, role)"
+        return "layers (layer index, role)", f"missing {missing[:5]}", f"unexpected {extra[:5]}"
     for key, fields in want.items():
         diff = first_difference(fields, have[key])
         if diff is not None:
-            return f"layer {key[0]} ({key[1]}): {diff[0]}: reference {diff[1]!r}, backend {diff[2]!r}"
+            return f"layer {key[0]} ({key[1]}): {diff[0]}", diff[1], diff[2]
     return None
+
+
+def layer_spec_difference(expected: Mapping[str, Any], got: Mapping[str, Any]) -> str | None:
+    """:func:`first_layer_difference` as one line, or None."""
+    diff = first_layer_difference(expected, got)
+    if diff is None:
+        return None
+    if diff[0].startswith("layers "):
+        return f"layers differ: {diff[1]}, {diff[2]} (layer index, role)"
+    return f"{diff[0]}: reference {diff[1]!r}, backend {diff[2]!r}"
 
 
 def assert_same_layers(
     backend: Any, scenario: Scenario, expected: Mapping[str, Any], got: Mapping[str, Any]
 ) -> None:
-    """:func:`layer_spec_difference` as a failure naming the backend and the scenario."""
+    """:func:`layer_spec_difference` as a :class:`Departure` naming the backend and the scenario."""
     __tracebackhide__ = True
-    difference = layer_spec_difference(expected, got)
-    if difference is not None:
+    diff = first_layer_difference(expected, got)
+    if diff is not None:
         where = f"on scenario {scenario.name!r} ({scenario.source})"
-        pytest.fail(f"[layer_specs] backend {backend.name!r} {where}: {difference}")
+        message = f"[layer_specs] backend {backend.name!r} {where}: {layer_spec_difference(expected, got)}"
+        raise Departure(message, "layer_specs", *diff)
 
 
 def known_failure(backend: Any, item: pytest.Item, extra: Mapping[str, str] | None = None) -> str | None:
@@ -244,13 +278,31 @@ def known_failure(backend: Any, item: pytest.Item, extra: Mapping[str, str] | No
     """
     rule_marker = item.get_closest_marker("kvconform_rule")
     rule = rule_marker.args[0] if rule_marker is not None else ""
+    return known_failure_of(backend, rule, item.name, extra)
+
+
+def known_failure_of(
+    backend: Any, rule: str, test: str, extra: Mapping[str, str] | None = None
+) -> str | None:
+    """:func:`known_failure` of the test called ``test`` (e.g. ``test_plan[glm-5-fp8-ds-mla]``)."""
     entries = {**getattr(backend, "known_failures", {}), **(extra or {})}
     for key, reason in entries.items():
         key_rule, _, pattern = key.partition("::")
         regex = ".*".join(re.escape(part) for part in (pattern or "*").split("*"))
-        if key_rule == rule and re.fullmatch(regex, item.name):
+        if key_rule == rule and re.fullmatch(regex, test):
             return str(reason)
     return None
+
+
+def inherits_rule(backend: Any, rule: str) -> bool:
+    """Whether ``backend`` answers ``rule`` with the reference's own code: it overrides none of the
+    family's methods (for ``plan``, none at all). The reference itself inherits nothing."""
+    from .reference.plan import overrides
+
+    if type(backend) is ReferenceBackend:
+        return False
+    methods = [m for ms in RULE_FAMILIES.values() for m in ms] if rule == "plan" else RULE_FAMILIES[rule]
+    return not any(overrides(backend, m) for m in methods)
 
 
 def load_xfails(path: Path, backend_name: str) -> dict[str, str]:

@@ -48,8 +48,9 @@ class KVConformSession:
         self.matrix: dict[str, Counter[str]] = defaultdict(Counter)
         #: rule family -> rule reached -> generated inputs compared that reached it
         self.exercised: dict[str, Counter[str]] = defaultdict(Counter)
-        #: one record per conformance test: nodeid, rule, scenario, outcome, message
-        self.records: list[dict[str, str]] = []
+        #: one record per conformance test: test (nodeid), rule, scenario, outcome, message and the
+        #: first difference of a departure (field, reference, backend; else None)
+        self.records: list[dict[str, Any]] = []
         self.strict = bool(config.getoption("kvconform_strict"))
         self.strict_failure = ""
         #: "family.method: reference (why)" -> plans in which the reference answered that step
@@ -81,23 +82,29 @@ class KVConformSession:
             scenario = str(properties.get("kvconform_scenario", ""))
             self.records.append({
                 "test": report.nodeid, "rule": str(rule), "scenario": scenario, "outcome": outcome,
-                "message": _outcome_message(report),
+                "message": _outcome_message(report), "difference": properties.get("kvconform_difference"),
             })  # fmt: skip
 
     def inherited(self, rule: str) -> bool:
         """Whether the backend answers ``rule`` with the reference's own code (it overrides none of
         the family's methods; for ``plan``, none at all)."""
         if rule not in self._inherited:
-            from .backends.base import RULE_FAMILIES, ReferenceBackend
-            from .reference.plan import overrides
+            from .conformance import inherits_rule
 
-            backend = self.backend
-            methods = (
-                [m for ms in RULE_FAMILIES.values() for m in ms] if rule == "plan" else RULE_FAMILIES[rule]
-            )
-            is_reference = type(backend) is ReferenceBackend  # the oracle itself inherits nothing
-            self._inherited[rule] = not is_reference and not any(overrides(backend, m) for m in methods)
+            self._inherited[rule] = inherits_rule(self.backend, rule)
         return self._inherited[rule]
+
+    def report_document(self) -> dict[str, Any]:
+        """The ``--kvconform-report`` document (:func:`pytest_kvconform.report.report_document`)."""
+        from .backends.registry import parse_options
+        from .report import report_document
+
+        release, selected_by = self.release
+        return report_document(
+            self.backend, self.matrix, self.exercised, self.records,
+            options=parse_options(self.backend_options_raw),
+            reference={"vllm_release": release.release, "selected_by": selected_by},
+        )  # fmt: skip
 
     def undeclared_inherited(self) -> list[str]:
         """Families reported inherited that the backend does not declare in ``inherits``."""
@@ -423,6 +430,11 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         params = getattr(getattr(item, "callspec", None), "params", {})
         if "kv_scenario" in params:
             report.user_properties.append(("kvconform_scenario", _scenario_id(params["kv_scenario"])))
+        if call.excinfo is not None:
+            from .conformance import Departure
+
+            if isinstance(call.excinfo.value, Departure):  # JSON-serialisable: it crosses xdist
+                report.user_properties.append(("kvconform_difference", call.excinfo.value.to_dict()))
         generated, discarded, exercised = item.stash.get(_generated_key, (0, 0, {}))
         if call.when == "call" and (generated or discarded):
             report.user_properties.extend([
@@ -484,5 +496,5 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         terminalreporter.write_line(session.strict_failure, red=True)
     path = config.getoption("kvconform_report")
     if path:
-        write_report(Path(path), session.backend, session.matrix, session.exercised)
+        write_report(Path(path), session.report_document())
         terminalreporter.write_line(f"kvconform: report written to {path}")

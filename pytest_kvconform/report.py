@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
-from collections import Counter
-from collections.abc import Mapping
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,25 +44,98 @@ def format_exercised(exercised: Mapping[str, Counter[str]]) -> list[str]:
     return lines
 
 
-def write_report(
-    path: Path, backend: Any, matrix: Mapping[str, Counter[str]], exercised: Mapping[str, Counter[str]] = {}
-) -> None:
-    """``.json``: one object; anything else: a Markdown table."""
+#: the JSON report's schema id (docs/reports.md); bumped when a key changes meaning or goes away
+SCHEMA = "kvconform-report/1"
+
+
+def matrix_of(records: Iterable[Mapping[str, Any]]) -> dict[str, Counter[str]]:
+    """Rule family -> outcome -> tests, from result records (``kvconform check``)."""
+    matrix: dict[str, Counter[str]] = defaultdict(Counter)
+    for record in records:
+        matrix[str(record["rule"])][str(record["outcome"])] += 1
+    return matrix
+
+
+def report_document(
+    backend: Any,
+    matrix: Mapping[str, Counter[str]],
+    exercised: Mapping[str, Counter[str]] | None = None,
+    records: Sequence[Mapping[str, Any]] = (),
+    options: Mapping[str, str] | None = None,
+    reference: Mapping[str, str] | None = None,
+    producer: str = "pytest",
+) -> dict[str, Any]:
+    """The JSON report (schema :data:`SCHEMA`, every key in docs/reports.md)."""
     rows = _rows(matrix)
+    return {
+        "schema": SCHEMA,
+        "producer": producer,
+        "backend": backend.name,
+        "version": backend.version,
+        "backend_options": dict(options or {}),
+        "reference": dict(reference or {}),
+        "rules": {rule: dict(zip(OUTCOMES, counts, strict=True)) for rule, counts in rows},
+        "totals": {o: sum(c[i] for _, c in rows) for i, o in enumerate(OUTCOMES)},
+        "generated_reached": {family: dict(counts) for family, counts in (exercised or {}).items()},
+        "results": [
+            {
+                "test": str(r.get("test", "")),
+                "rule": str(r["rule"]),
+                "scenario": str(r.get("scenario", "")),
+                "outcome": str(r["outcome"]),
+                "message": str(r.get("message", "")),
+                "difference": dict(r["difference"]) if r.get("difference") else None,
+            }
+            for r in records
+        ],
+    }
+
+
+def _cell(value: Any) -> str:
+    """A Markdown table cell: one line, pipes escaped, long values cut."""
+    text = " ".join(str(value).split()).replace("|", "\\|")
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def format_markdown(document: Mapping[str, Any]) -> str:
+    """The report as Markdown for a CI step summary (``$GITHUB_STEP_SUMMARY``): rule x outcome,
+    the departures (scenario, rule, field, reference, backend), then the other failures and the
+    skip and xfail reasons."""
+    options = " ".join(f"{k}={v}" for k, v in document["backend_options"].items())
+    ref = document["reference"]
+    lines = [f"# kvconform: {document['backend']} ({document['version']})", ""]
+    about = [f"reference: vLLM {ref['vllm_release']} rules ({ref.get('selected_by', '')})"] if ref else []
+    about += [f"options: {options}"] if options else []
+    lines += [f"{_cell('; '.join(about))}", ""] if about else []
+    lines += ["| rule family | " + " | ".join(OUTCOMES) + " |", "|---" * (len(OUTCOMES) + 1) + "|"]
+    lines += [f"| {rule} | " + " | ".join(str(counts[o]) for o in OUTCOMES) + " |"
+              for rule, counts in document["rules"].items()]  # fmt: skip
+    lines.append("| **total** | " + " | ".join(str(document["totals"][o]) for o in OUTCOMES) + " |")
+    results = document["results"]
+    departures = [r for r in results if r["outcome"] == "failed" and r["difference"]]
+    if departures:
+        lines += ["", "## Departures", "", "| scenario | rule | field | reference | backend |",
+                  "|---|---|---|---|---|"]  # fmt: skip
+        for r in departures:
+            diff = r["difference"]
+            cells = (r["scenario"] or r["test"], r["rule"], diff["field"], diff["reference"], diff["backend"])
+            lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+    others = [r for r in results if r["outcome"] == "failed" and not r["difference"]]
+    if others:
+        lines += ["", "## Other failures", "", "| test | rule | message |", "|---|---|---|"]
+        lines += [f"| {_cell(r['test'])} | {r['rule']} | {_cell(r['message'])} |" for r in others]
+    reasons = Counter((r["outcome"], r["rule"], r["message"]) for r in results
+                      if r["outcome"] in ("skipped", "xfailed"))  # fmt: skip
+    if reasons:
+        lines += ["", "## Skipped and expected failures", "", "| outcome | rule | reason | tests |",
+                  "|---|---|---|---|"]  # fmt: skip
+        lines += [f"| {o} | {rule} | {_cell(why)} | {n} |" for (o, rule, why), n in sorted(reasons.items())]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(path: Path, document: Mapping[str, Any]) -> None:
+    """``.json``: the document; anything else (``.md``, ``$GITHUB_STEP_SUMMARY``): Markdown."""
     if path.suffix == ".json":
-        data = {
-            "backend": backend.name,
-            "version": backend.version,
-            "rules": {rule: dict(zip(OUTCOMES, counts, strict=True)) for rule, counts in rows},
-            "generated_reached": {family: dict(counts) for family, counts in exercised.items()},
-        }
-        path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        return
-    lines = [
-        f"# kvconform: {backend.name} ({backend.version})",
-        "",
-        "| rule family | " + " | ".join(OUTCOMES) + " |",
-    ]
-    lines.append("|---" * (len(OUTCOMES) + 1) + "|")
-    lines += [f"| {rule} | " + " | ".join(str(n) for n in counts) + " |" for rule, counts in rows]
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        path.write_text(json.dumps(document, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    else:
+        path.write_text(format_markdown(document), encoding="utf-8")

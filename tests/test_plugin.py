@@ -374,3 +374,36 @@ def test_discarded_generated_inputs_are_counted(backends: pytest.Pytester) -> No
         "--kvconform-max-examples=40",
     )
     assert rules["plan"]["discarded"] > 0
+
+
+@pytest.mark.parametrize("workers", ["0", "2"])
+def test_report_records_the_first_difference_and_reasons(pytester: pytest.Pytester, workers: str) -> None:
+    """``--kvconform-report``: kvconform-report/1 with per-test results; a departure carries its
+    field and both values (a JSON user property, so it crosses xdist workers)."""
+    pytester.makepyfile(wrongbackend=WRONG_BACKEND)
+    pytester.syspathinsert()
+    report, summary = pytester.path / "report.json", pytester.path / "summary.md"
+    args = (RULES_SUITE, "--kvconform-backend=wrongbackend:WrongAlignment", "-k",
+            "granite-4.0-h-tiny or gemma-3", "-p", "no:cacheprovider", "-n", workers)  # fmt: skip
+    pytester.runpytest_subprocess(*args, f"--kvconform-report={report}")
+    pytester.runpytest_subprocess(*args, f"--kvconform-report={summary}")
+    doc = json.loads(report.read_text())
+    assert (doc["schema"], doc["backend"], doc["backend_options"]) == (
+        "kvconform-report/1",
+        "wrong-alignment",
+        {},
+    )
+    results = {r["test"].split("::")[-1]: r for r in doc["results"]}
+    # 806400 B state / 2048 B per token = 393.75: aligned to 16 -> 400, to 32 -> 416 (see test_cli_check)
+    assert results["test_hybrid_alignment[granite-4.0-h-tiny]"]["difference"] == {
+        "field": "block_size", "reference": "400", "backend": "416"}  # fmt: skip
+    assert results["test_hybrid_alignment[gemma-3-27b-it]"]["outcome"] == "skipped"
+    assert (
+        results["test_hybrid_alignment[gemma-3-27b-it]"]["message"] == "not a hybrid attention + state model"
+    )
+    assert results["test_state_shapes_and_page[granite-4.0-h-tiny]"]["outcome"] == "inherited"
+    failed = [r for r in doc["results"] if r["rule"] == "hybrid_alignment" and r["outcome"] == "failed"]
+    assert doc["rules"]["hybrid_alignment"]["failed"] == len(failed) >= 1
+    text = summary.read_text()
+    assert "| granite-4.0-h-tiny | hybrid_alignment | block_size | 400 | 416 |" in text
+    assert "| skipped | hybrid_alignment | not a hybrid attention + state model | 1 |" in text

@@ -1,0 +1,303 @@
+"""The per-scenario comparisons of the conformance suite, as plain functions.
+
+``suites/test_rules.py`` runs each of them as a test (one per scenario); ``kvconform check`` runs
+them outside pytest (:func:`run_checks`). Each takes ``(backend, reference, scenario)`` and
+compares through :mod:`pytest_kvconform.conformance`: a departure raises
+:class:`~pytest_kvconform.conformance.Departure`, a rule not provided or not applicable skips
+(``pytest.skip``), a backend that raises fails (``pytest.fail``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .conformance import (
+    Departure,
+    assert_same,
+    assert_same_layers,
+    call_rule,
+    inherits_rule,
+    known_failure_of,
+    outcome,
+    plan_with_trace,
+)
+from .model import KVPlan
+from .reference.specs import AttentionSpec, MambaSpec
+from .reference.unify import POLICIES
+from .scenario import Scenario
+
+
+def distinct(specs: dict[str, Any], kind: type) -> list[Any]:
+    return list(dict.fromkeys(s for s in specs.values() if isinstance(s, kind)))
+
+
+def reference_specs(reference: Any, scenario: Scenario) -> dict[str, Any]:
+    """The reference's layer specs; a scenario the reference rejects has none to hand on."""
+    answer = outcome(reference, "layer_specs", scenario=scenario)
+    if answer[0] != "ok":
+        pytest.skip(
+            f"the reference rejects this scenario's layers ({answer[1]}); test_layer_specs checks that"
+        )
+    return answer[1]
+
+
+def hybrid_alignment(backend: Any, reference: Any, scenario: Scenario) -> None:
+    expected = reference.align_hybrid_block_size(scenario=scenario)
+    if expected is None:
+        pytest.skip("not a hybrid attention + state model")
+    got = call_rule(backend, "align_hybrid_block_size", scenario=scenario)
+    fields = ("block_size", "page_size_bytes", "state_page_padded_bytes", "attn_page_bytes_per_token",
+              "state_page_bytes")  # fmt: skip
+    want, have = ({f: getattr(answer, f, None) for f in fields} for answer in (expected, got))
+    assert_same("hybrid_alignment", backend, scenario, want, have)
+
+
+def choose_block_size(backend: Any, reference: Any, scenario: Scenario) -> None:
+    expected = outcome(reference, "choose_block_size", scenario=scenario)
+    got = outcome(backend, "choose_block_size", scenario=scenario)
+    assert_same("block_size", backend, scenario, expected, got)
+
+
+def state_shapes_and_page(backend: Any, reference: Any, scenario: Scenario) -> None:
+    if scenario.model is None or scenario.model.state is None:
+        pytest.skip("no state layers")
+    expected = outcome(reference, "state_shapes", scenario=scenario)
+    got = outcome(backend, "state_shapes", scenario=scenario)
+    if got[0] == "ok":
+        got = ("ok", tuple(map(tuple, got[1])))
+    assert_same("state_page", backend, scenario, {"state_shapes": expected}, {"state_shapes": got})
+    specs = distinct(reference_specs(reference, scenario), MambaSpec)
+    pages = [call_rule(backend, "state_page_bytes", s, scenario=scenario) for s in specs]
+    want = [s.page_size_bytes for s in specs]
+    assert_same("state_page", backend, scenario, {"state_page_bytes": want}, {"state_page_bytes": pages})
+
+
+def layer_specs(backend: Any, reference: Any, scenario: Scenario) -> None:
+    """The backend's own per-layer specs (its ``get_kv_cache_spec``), layer by layer."""
+    expected = outcome(reference, "layer_specs", scenario=scenario)
+    got = outcome(backend, "layer_specs", scenario=scenario)
+    if expected[0] != "ok" or got[0] != "ok":
+        assert_same("layer_specs", backend, scenario, expected[:1], got[:1])
+        assert_same("layer_specs", backend, scenario, expected, got)
+        return
+    assert_same_layers(backend, scenario, expected[1], got[1])
+
+
+def attention_page_bytes(backend: Any, reference: Any, scenario: Scenario) -> None:
+    specs = distinct(reference_specs(reference, scenario), AttentionSpec)
+    got = [call_rule(backend, "attention_page_bytes", s, scenario=scenario) for s in specs]
+    want = [s.page_size_bytes for s in specs]
+    assert_same("attention_page", backend, scenario, {"page_size_bytes": want}, {"page_size_bytes": got})
+
+
+def max_memory_usage_bytes(backend: Any, reference: Any, scenario: Scenario) -> None:
+    specs = list(dict.fromkeys(reference_specs(reference, scenario).values()))
+    got = [call_rule(backend, "max_memory_usage_bytes", s, scenario=scenario) for s in specs]
+    want = [reference.max_memory_usage_bytes(s, scenario=scenario) for s in specs]
+    assert_same("max_memory", backend, scenario, {"max_memory_usage_bytes": want},
+                {"max_memory_usage_bytes": got})  # fmt: skip
+
+
+def _policies(backend: Any) -> tuple[str, ...]:
+    fixed = getattr(backend, "unify_policy", None)
+    return (fixed,) if fixed else POLICIES
+
+
+def unify_page_sizes(backend: Any, reference: Any, scenario: Scenario) -> None:
+    for policy in _policies(backend):
+        s = scenario.with_runtime(unify_policy=policy)
+        specs = reference_specs(reference, s)
+        expected = outcome(reference, "unify_page_sizes", specs, scenario=s)
+        got = outcome(backend, "unify_page_sizes", specs, scenario=s)
+        if expected[0] == "ok" and got[0] == "ok":
+            got = ("ok", {k: (v.block_size, v.page_size_bytes) for k, v in got[1].items()})
+            expected = ("ok", {k: (v.block_size, v.page_size_bytes) for k, v in expected[1].items()})
+        assert_same("unification", backend, s, {policy: expected}, {policy: got})
+
+
+def kv_cache_groups(backend: Any, reference: Any, scenario: Scenario) -> None:
+    specs = reference_specs(reference, scenario)
+    expected = reference.kv_cache_groups(specs, scenario=scenario)
+    got = call_rule(backend, "kv_cache_groups", specs, scenario=scenario)
+    key = "groups (kind, layers)"
+    shape = {key: [(g.kind, len(g.layer_names)) for g in expected]}
+    assert_same("grouping", backend, scenario, shape, {key: [(g.kind, len(g.layer_names)) for g in got]})
+    assert_same("grouping", backend, scenario, {"groups": expected}, {"groups": got})
+
+
+def check_memory(backend: Any, reference: Any, scenario: Scenario) -> None:
+    specs = reference_specs(reference, scenario)
+    expected = reference.check_memory(specs, scenario=scenario)
+    got = call_rule(backend, "check_memory", specs, scenario=scenario)
+    assert_same("memory", backend, scenario, expected, got)
+
+
+#: fractions of the needed bytes the max_model_len estimate is compared at
+FRACTIONS = (0.001, 0.5, 1.0)
+
+
+def estimate_max_model_len(backend: Any, reference: Any, scenario: Scenario, fraction: float) -> None:
+    specs = reference_specs(reference, scenario)
+    available = int(reference.check_memory(specs, scenario=scenario).needed_bytes * fraction)
+    key = f"estimate_max_model_len({available} B)"
+    expected = reference.estimate_max_model_len(specs, available, scenario=scenario)
+    got = call_rule(backend, "estimate_max_model_len", specs, available, scenario=scenario)
+    assert_same("memory", backend, scenario, {key: expected}, {key: got})
+
+
+def one_sequence_bytes(backend: Any, reference: Any, scenario: Scenario) -> None:
+    if scenario.is_spec_level:
+        pytest.skip("the one-sequence estimate needs a model-level scenario")
+    choice = reference.choose_block_size(scenario=scenario)
+    inputs = (choice.block_size, choice.state_page_padded)
+    expected = reference.one_sequence_bytes(*inputs, scenario=scenario)
+    got = call_rule(backend, "one_sequence_bytes", *inputs, scenario=scenario)
+    assert_same("one_sequence", backend, scenario, {"one_sequence_bytes": expected},
+                {"one_sequence_bytes": got})  # fmt: skip
+
+
+def kernel_block_size(backend: Any, reference: Any, block_size: int) -> None:
+    key = f"kernel_block_size({block_size})"
+    expected = outcome(reference, "kernel_block_size", block_size)
+    got = outcome(backend, "kernel_block_size", block_size)
+    assert_same("kernel_block", backend, None, {key: expected}, {key: got})
+
+
+def plan(
+    backend: Any,
+    reference: Any,
+    scenario: Scenario,
+    record_property: Callable[[str, Any], None] | None = None,
+) -> None:
+    """The backend's own composition: each step answered by its own rule, or the reference's
+    where it declines (those steps are recorded and reported)."""
+    expected = outcome(reference, "plan", scenario=scenario)
+    if expected[0] != "ok":
+        assert_same("plan", backend, scenario, expected, outcome(backend, "plan", scenario=scenario))
+        return
+    got = plan_with_trace(backend, scenario, record_property)
+    assert_same("plan", backend, scenario, expected[1].to_dict(), got.to_dict())
+
+
+def _matches(want: Any, got: Any) -> bool:
+    """Authors write percentages and ratios to two decimals: floats match to 0.01."""
+    return abs(got - want) <= 0.01 if isinstance(want, float) else got == want
+
+
+def expectations(backend: Any, scenario: Scenario) -> None:
+    """The scenario file's own ``[expect]`` table (numbers its author derived) and the plan fields
+    of its ``[expect.external]`` (public observations) against the backend's plan."""
+    external = {k: v for k, v in scenario.expect_external.items() if k in KVPlan.field_names()}
+    if not scenario.expect and not external:
+        pytest.skip("no [expect] table")
+    got = call_rule(backend, "plan", scenario=scenario).to_dict()
+    wrong = [(f"{table}.{k}", v, got[k])
+             for table, values in (("expect", scenario.expect), ("expect.external", external))
+             for k, v in values.items() if not _matches(v, got[k])]  # fmt: skip
+    if wrong:
+        message = f"{scenario.source}: backend {backend.name!r}: " + "; ".join(
+            f"{field}: expected {want!r}, got {have!r}" for field, want, have in wrong
+        )
+        raise Departure(message, "plan", *wrong[0], pytrace=False)
+
+
+# ----------------------------------------------------------------------------- outside pytest
+
+
+def scenario_id(scenario: Scenario) -> str:
+    """The scenario's test id: its file's stem, else its name."""
+    return Path(scenario.source).stem if scenario.source.endswith(".toml") else scenario.name
+
+
+@dataclass(frozen=True)
+class Check:
+    """One comparison of one scenario: its rule family, its suite test's name and how to run it."""
+
+    rule: str
+    test: str
+    run: Callable[[Any, Any, Scenario], None]
+
+
+def _estimate(sid: str, fraction: float) -> Check:
+    def run(backend: Any, reference: Any, scenario: Scenario) -> None:
+        estimate_max_model_len(backend, reference, scenario, fraction)
+
+    return Check("memory", f"test_estimate_max_model_len[{sid}-{fraction}]", run)
+
+
+def scenario_checks(reference: Any, scenario: Scenario) -> list[Check]:
+    """The suite's per-scenario tests of ``scenario``, in derivation order, named as pytest names
+    them (``test_plan[granite-4.0-h-tiny]``), so ``known_failures`` globs apply. The kernel block
+    is checked at the reference's block of this scenario (the suite checks a fixed list)."""
+    sid = scenario_id(scenario)
+    checks = [
+        Check("hybrid_alignment", f"test_hybrid_alignment[{sid}]", hybrid_alignment),
+        Check("block_size", f"test_choose_block_size[{sid}]", choose_block_size),
+        Check("state_page", f"test_state_shapes_and_page[{sid}]", state_shapes_and_page),
+        Check("layer_specs", f"test_layer_specs[{sid}]", layer_specs),
+        Check("attention_page", f"test_attention_page_bytes[{sid}]", attention_page_bytes),
+        Check("max_memory", f"test_max_memory_usage_bytes[{sid}]", max_memory_usage_bytes),
+        Check("unification", f"test_unify_page_sizes[{sid}]", unify_page_sizes),
+        Check("grouping", f"test_kv_cache_groups[{sid}]", kv_cache_groups),
+        Check("memory", f"test_check_memory[{sid}]", check_memory),
+        *(_estimate(sid, f) for f in FRACTIONS),
+        Check("one_sequence", f"test_one_sequence_bytes[{sid}]", one_sequence_bytes),
+    ]
+    try:
+        block = reference.plan(scenario=scenario).block_size
+    except Exception:  # a scenario the reference rejects: the plan check reports it
+        block = None
+    if block is not None:
+        checks.append(Check("kernel_block", f"test_kernel_block_size[{block}]",
+                            lambda b, r, s, n=block: kernel_block_size(b, r, n)))  # fmt: skip
+    checks += [
+        Check("plan", f"test_plan[{sid}]", plan),
+        Check("plan", f"test_expectations[{sid}]", lambda b, r, s: expectations(b, s)),
+    ]
+    return checks
+
+
+def run_check(
+    check: Check, backend: Any, reference: Any, scenario: Scenario, xfails: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """Run one check; its record (the report's ``results`` entry): test, rule, scenario, outcome
+    (passed, inherited, failed, skipped, xfailed), message and the first difference (or None)."""
+    difference: dict[str, str] | None = None
+    message = ""
+    try:
+        check.run(backend, reference, scenario)
+        result = "passed"
+    except Departure as exc:
+        result, message, difference = "failed", str(exc), exc.to_dict()
+    except pytest.skip.Exception as exc:
+        result, message = "skipped", str(exc)
+    except pytest.fail.Exception as exc:
+        result, message = "failed", str(exc)
+    except Exception as exc:  # a comparison that could not run: a failure of this check only
+        result, message = "failed", f"[{check.rule}] {type(exc).__name__}: {exc}"
+    reason = known_failure_of(backend, check.rule, check.test, xfails)
+    if reason is not None and result != "skipped":
+        if result == "failed":
+            result, message = "xfailed", reason
+        else:  # a strict xfail that passes fails, as in the suites
+            result, message = "failed", f"[XPASS(strict)] {reason}"
+    elif result == "passed" and inherits_rule(backend, check.rule):
+        result = "inherited"
+    return {"test": check.test, "rule": check.rule, "scenario": scenario_id(scenario), "outcome": result,
+            "message": message.splitlines()[0] if message else "", "difference": difference}  # fmt: skip
+
+
+def run_checks(
+    backend: Any, reference: Any, scenarios: Iterable[Scenario], xfails: Mapping[str, str] | None = None
+) -> list[dict[str, Any]]:
+    """Every per-scenario check of every scenario, as records (:func:`run_check`)."""
+    return [
+        run_check(check, backend, reference, scenario, xfails)
+        for scenario in scenarios
+        for check in scenario_checks(reference, scenario)
+    ]
