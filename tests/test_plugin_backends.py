@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -117,7 +118,7 @@ def test_a_plugin_platform_is_driven_through_the_vllm_backend(
     if importlib.util.find_spec("vllm") is None:  # not imported here: pytester drops modules at teardown
         pytest.skip("vLLM is not installed")
     platform_suite = str(SUITES / "test_kvconform_platform.py")
-    monkeypatch.setenv("PYTHONPATH", str(TOY))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TOY), os.environ.get("PYTHONPATH")])))
     result, rules = run(
         toy,
         platform_suite,

@@ -181,6 +181,13 @@ def pytest_sessionfinish(session):
 """
 
 
+@pytest.fixture
+def no_xdist_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    """pytest-benchmark refuses --benchmark-only inside an xdist worker (it reads the environment)."""
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+
+
+@pytest.mark.usefixtures("no_xdist_worker")
 def test_vllm_benchmark_skips_and_vllm_stays_unimported_for_another_backend(
     pytester: pytest.Pytester,
 ) -> None:
@@ -195,6 +202,7 @@ def test_vllm_benchmark_skips_and_vllm_stays_unimported_for_another_backend(
     )
 
 
+@pytest.mark.usefixtures("no_xdist_worker")
 def test_plan_benchmark_times_the_selected_backend(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(
         slowbackend="""
