@@ -32,9 +32,8 @@ class CliError(Exception):
 
 
 def suites_path() -> Path:
-    """The conformance suites: inside the installed wheel, or beside the package in a checkout."""
-    packaged = Path(__file__).parent / "suites"
-    return packaged if packaged.is_dir() else Path(__file__).resolve().parents[1] / "suites"
+    """The conformance suites, the package ``pytest_kvconform.suites`` (in the wheel or a checkout)."""
+    return Path(__file__).resolve().parent / "suites"
 
 
 def _parse_set(item: str) -> tuple[str, object]:

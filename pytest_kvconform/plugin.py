@@ -7,8 +7,12 @@ reference, the backends and hypothesis are imported when a session uses them.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+import tempfile
 from collections import Counter, defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +31,10 @@ MARKERS = {
     "kvconform_scenario": "kvconform_scenario(*names): restrict kv_scenario to these scenarios",
     "kvconform_requires": "kvconform_requires(capability): skip unless the backend has this capability",
     "kvconform_metal": "kvconform_metal: needs the MLX paged-attention runtime (skips without mlx)",
+    "kvconform_benchmark": "kvconform_benchmark: a kvconform benchmark; runs only with --benchmark-only",
 }
+#: fixtures whose use makes a test a kvconform test (besides the markers)
+FIXTURES = frozenset({"kv_backend", "kv_reference", "kv_scenario", "metal_runtime"})
 
 
 class KVConformSession:
@@ -41,6 +48,8 @@ class KVConformSession:
             *config.getoption("kvconform_backend_option"),
         ]
         self._backend: Any = None
+        #: why the selected backend cannot run here (its runtime is not installed): its tests skip
+        self.unavailable: str | None = None
         self._release: tuple[Any, str] | None = None
         self.release_option = config.getoption("kvconform_vllm") or config.getini("kvconform_vllm")
         self._inherited: dict[str, bool] = {}
@@ -58,6 +67,16 @@ class KVConformSession:
         self.xfails_path = config.getoption("kvconform_xfails")
         self.xfails: dict[str, str] = {}
         self.extra_scenario_paths = [Path(p) for p in config.getoption("kvconform_scenarios") or []]
+        self.max_examples: int | None = config.getoption("kvconform_max_examples")
+        #: whether any kvconform option, ini value or environment variable is set
+        self.configured = self.explicit or any(
+            config.getoption(name)
+            for name in ("kvconform_scenarios", "kvconform_max_examples", "kvconform_xfails",
+                         "kvconform_strict", "kvconform_vllm", "kvconform_report")
+        ) or bool(config.getini("kvconform_vllm"))  # fmt: skip
+        self._config = config
+        self._hypothesis_dir: Path | None = None
+        self._hypothesis_tmp = False
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         """Count outcomes per rule family (under xdist, from the workers' replayed reports)."""
@@ -78,12 +97,25 @@ class KVConformSession:
             self.matrix[str(rule)][outcome] += 1
             self.matrix[str(rule)]["generated"] += int(properties.get("kvconform_generated", 0))
             self.matrix[str(rule)]["discarded"] += int(properties.get("kvconform_discarded", 0))
-            self.exercised[str(rule)].update(properties.get("kvconform_exercised", {}))
+            if properties.get("kvconform_exercised"):
+                self.exercised[str(rule)].update(properties["kvconform_exercised"])
             scenario = str(properties.get("kvconform_scenario", ""))
             self.records.append({
                 "test": report.nodeid, "rule": str(rule), "scenario": scenario, "outcome": outcome,
                 "message": _outcome_message(report), "difference": properties.get("kvconform_difference"),
             })  # fmt: skip
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> Iterator[None]:
+        """hypothesis's plugin caches the local constants in its storage dir while collecting:
+        ours, when the run's only hypothesis tests are kvconform's."""
+        hypothesis_items = [
+            i for i in items if getattr(getattr(i, "function", None), "is_hypothesis_test", False)
+        ]
+        if hypothesis_items and all(i.get_closest_marker("kvconform_rule") for i in hypothesis_items):
+            with _hypothesis_home(self):
+                return (yield)
+        return (yield)
 
     def inherited(self, rule: str) -> bool:
         """Whether the backend answers ``rule`` with the reference's own code (it overrides none of
@@ -123,7 +155,10 @@ class KVConformSession:
             try:
                 self._backend = resolve_backend(self.backend_name, parse_options(self.backend_options_raw))
             except BackendError as exc:
-                raise pytest.UsageError(f"--kvconform-backend: {exc}") from None
+                self.unavailable = _not_installed(exc)
+                if self.unavailable is None:
+                    raise pytest.UsageError(f"--kvconform-backend: {exc}") from None
+                raise
             self.apply_release(self._backend)
         return self._backend
 
@@ -145,6 +180,22 @@ class KVConformSession:
             rules.release = self.release[0]
         return rules
 
+    def hypothesis_dir(self) -> Path:
+        """Where kvconform's property tests keep hypothesis's files: pytest's cache dir, or a temp
+        dir (removed at the end) when the cacheprovider is off; never the working directory."""
+        if self._hypothesis_dir is None:
+            cache = getattr(self._config, "cache", None)
+            if cache is not None:
+                self._hypothesis_dir = cache.mkdir("kvconform-hypothesis")
+            else:
+                self._hypothesis_dir = Path(tempfile.mkdtemp(prefix="kvconform-hypothesis-"))
+                self._hypothesis_tmp = True
+        return self._hypothesis_dir
+
+    def cleanup(self) -> None:
+        if self._hypothesis_tmp and self._hypothesis_dir is not None:
+            shutil.rmtree(self._hypothesis_dir, ignore_errors=True)
+
     def scenarios(self) -> list[Scenario]:
         """Packaged scenarios plus every ``*.toml`` under ``--kvconform-scenarios`` (loaded once).
 
@@ -165,6 +216,24 @@ class KVConformSession:
 
 
 session_key = pytest.StashKey[KVConformSession]()
+
+
+def _not_installed(exc: BaseException) -> str | None:
+    """The reason when a backend failed to start because its runtime is not installed (vLLM on
+    macOS), else None: that backend's tests skip instead of the run erroring."""
+    cause = exc.__cause__
+    if type(cause).__name__ == "VllmUnavailableError" and str(cause).startswith("vLLM is not installed"):
+        return str(cause)
+    return None
+
+
+def _resolve(session: KVConformSession) -> None:
+    """Resolve the backend now: a bad name is a usage error before collection; a backend whose
+    runtime is not installed is recorded in ``session.unavailable``."""
+    from .backends.registry import BackendError
+
+    with contextlib.suppress(BackendError):
+        session.backend  # noqa: B018
 
 
 def _selected_release(option: str) -> tuple[Any, str]:
@@ -265,38 +334,60 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[session_key] = session
     config.pluginmanager.register(session, "kvconform-session")
     if session.explicit:
-        session.backend  # noqa: B018 - resolve now: a bad name is a usage error before collection
+        _resolve(session)
     if session.release_option:
         session.release  # noqa: B018 - a bad release is a usage error before collection
     if session.extra_scenario_paths:
         session.scenarios()  # a malformed file is a usage error before collection
-    if session.xfails_path:
+    if session.xfails_path and session.unavailable is None:
         from .conformance import load_xfails
 
         try:
             session.xfails = load_xfails(Path(session.xfails_path), session.backend.name)
         except ValueError as exc:
             raise pytest.UsageError(f"--kvconform-xfails: {exc}") from None
-    max_examples = config.getoption("kvconform_max_examples")
-    if max_examples is not None:
-        if max_examples < 1:
-            raise pytest.UsageError("--kvconform-max-examples must be >= 1")
-        from hypothesis import settings
+    if session.max_examples is not None and session.max_examples < 1:
+        raise pytest.UsageError("--kvconform-max-examples must be >= 1")
 
-        # Derive from the active profile (e.g. hypothesis's own "ci") and keep its other settings.
-        current = settings.get_profile(settings.get_current_profile_name())
-        settings.register_profile("kvconform", parent=current, max_examples=max_examples)
-        settings.load_profile("kvconform")
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    session = config.stash.get(session_key, None)
+    if session is not None:
+        session.cleanup()
 
 
 def _session(config: pytest.Config) -> KVConformSession:
     return config.stash[session_key]
 
 
+def _is_kvconform_item(item: pytest.Item) -> bool:
+    """A test of this plugin's: it carries a ``kvconform_*`` marker or uses a kvconform fixture."""
+    if any(mark.name.startswith("kvconform_") for mark in item.iter_markers()):
+        return True
+    return not FIXTURES.isdisjoint(getattr(item, "fixturenames", ()))
+
+
+DEFAULT_HEADER = f"kvconform: backend=reference (default; select with --kvconform-backend or ${ENV_BACKEND})"
+
+
+def pytest_report_collectionfinish(config: pytest.Config, items: list[pytest.Item]) -> list[str]:
+    """Without kvconform options the header says nothing; the default backend is named once
+    kvconform tests are collected."""
+    if _session(config).configured or not any(_is_kvconform_item(item) for item in items):
+        return []
+    return [DEFAULT_HEADER]
+
+
 def pytest_report_header(config: pytest.Config) -> list[str]:
     session = _session(config)
+    if not session.configured:
+        return []  # inert in runs that do not use the plugin
     if not session.explicit and not config.getoption("kvconform_scenarios"):
-        return [f"kvconform: backend=reference (default; select with --kvconform-backend or ${ENV_BACKEND})"]
+        return [DEFAULT_HEADER]
+    if session.unavailable:
+        return [
+            f"kvconform: backend={session.backend_name} unavailable (its tests skip): {session.unavailable}"
+        ]
     backend = session.backend
     release, release_origin = session.release
     env = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("KVCONFORM_"))
@@ -317,8 +408,11 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 
 @pytest.fixture(scope="session")
 def kv_backend(pytestconfig: pytest.Config) -> Any:
-    """The backend under test (``--kvconform-backend``)."""
-    return _session(pytestconfig).backend
+    """The backend under test (``--kvconform-backend``); skips when its runtime is not installed."""
+    session = _session(pytestconfig)
+    if session.unavailable:
+        pytest.skip(session.unavailable)
+    return session.backend
 
 
 @pytest.fixture(scope="session")
@@ -367,10 +461,21 @@ def _scenario_id(scenario: Scenario) -> str:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    ours = [item for item in items if _is_kvconform_item(item)]
+    if not ours:
+        return
     from .conformance import RULE_FAMILIES
 
     session = _session(config)
-    for item in items:
+    benchmark_only = bool(config.getoption("benchmark_only", default=False))
+    if session.explicit:
+        _resolve(session)
+    for item in ours:
+        if item.get_closest_marker("kvconform_benchmark") is not None and not benchmark_only:
+            item.add_marker(pytest.mark.skip(reason="kvconform benchmarks run only with --benchmark-only"))
+        if session.unavailable:
+            item.add_marker(pytest.mark.skip(reason=session.unavailable))
+            continue
         rule = item.get_closest_marker("kvconform_rule")
         if rule is not None and (len(rule.args) != 1 or rule.args[0] not in RULE_FAMILIES):
             raise pytest.UsageError(
@@ -403,15 +508,68 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item) -> Any:
+    if item.get_closest_marker("kvconform_rule") is None:
+        return (yield)
     from . import conformance
 
     for counter in (conformance.DISCARDED, conformance.COMPARED, conformance.EXERCISED):
         counter.clear()
     try:
-        return (yield)
+        with _hypothesis_settings(item, _session(item.config)):
+            return (yield)
     finally:
         compared, discarded = sum(conformance.COMPARED.values()), sum(conformance.DISCARDED.values())
         item.stash[_generated_key] = (compared, discarded, dict(conformance.EXERCISED))
+
+
+@contextlib.contextmanager
+def _hypothesis_settings(item: pytest.Item, session: KVConformSession) -> Iterator[None]:
+    """For one kvconform property test: ``--kvconform-max-examples``, and hypothesis's files in
+    :meth:`KVConformSession.hypothesis_dir` instead of ``./.hypothesis``.
+
+    Only this test's settings change (hypothesis reads them from the test at call time), and
+    only for the call: no profile is loaded, other hypothesis tests of the run are untouched. A
+    database or storage directory the user configured (``HYPOTHESIS_STORAGE_DIRECTORY``) is kept.
+    """
+    test = getattr(item, "function", None)
+    if not getattr(test, "is_hypothesis_test", False):
+        yield
+        return
+    from hypothesis import settings
+    from hypothesis.database import DirectoryBasedExampleDatabase
+
+    original = test._hypothesis_internal_use_settings
+    changes: dict[str, Any] = {}
+    if session.max_examples is not None:
+        changes["max_examples"] = session.max_examples
+    if not os.environ.get("HYPOTHESIS_STORAGE_DIRECTORY"):
+        default_db = Path.cwd() / ".hypothesis" / "examples"
+        db = original.database
+        if isinstance(db, DirectoryBasedExampleDatabase) and Path(db.path).resolve() == default_db.resolve():
+            changes["database"] = DirectoryBasedExampleDatabase(session.hypothesis_dir() / "examples")
+    test._hypothesis_internal_use_settings = settings(original, **changes)
+    try:
+        with _hypothesis_home(session):
+            yield
+    finally:
+        test._hypothesis_internal_use_settings = original
+
+
+@contextlib.contextmanager
+def _hypothesis_home(session: KVConformSession) -> Iterator[None]:
+    """hypothesis's storage dir (its caches: constants, charmap) in the session's dir for a while,
+    unless the user chose one (``HYPOTHESIS_STORAGE_DIRECTORY``)."""
+    if os.environ.get("HYPOTHESIS_STORAGE_DIRECTORY"):
+        yield
+        return
+    from hypothesis import configuration
+
+    previous = getattr(configuration, "__hypothesis_home_directory", None)
+    configuration.set_hypothesis_home_dir(session.hypothesis_dir())
+    try:
+        yield
+    finally:
+        configuration.set_hypothesis_home_dir(previous)
 
 
 #: (generated inputs compared, discarded, rule -> compared inputs reaching it) of a property test
@@ -422,8 +580,8 @@ _generated_key = pytest.StashKey[tuple[int, int, dict[str, int]]]()
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
     report = yield
     rule = item.get_closest_marker("kvconform_rule")
-    if rule is not None and rule.args:
-        session = _session(item.config)
+    session = _session(item.config)
+    if rule is not None and rule.args and session.unavailable is None:
         report.user_properties.append(("kvconform_rule", rule.args[0]))
         if session.inherited(rule.args[0]):
             report.user_properties.append(("kvconform_inherited", True))

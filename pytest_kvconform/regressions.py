@@ -1,4 +1,4 @@
-"""Shared pieces of the regression suites (``suites/regressions/``).
+"""Shared pieces of the regression suites (``pytest_kvconform/suites/regressions/``).
 
 A regression is a scenario (``scenarios/regressions/*.toml`` or a packaged one), a JSON golden
 of the reference's KVPlan, and tests that call the selected backend.

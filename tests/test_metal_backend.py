@@ -10,7 +10,8 @@ from pytest_kvconform.backends.base import ReferenceBackend
 from pytest_kvconform.backends.metal import MetalBackend
 from pytest_kvconform.scenario import load_scenario, parse_scenario
 
-# The shrunk hypothesis counterexample that found the group-size divergence (suites/test_properties.py).
+# The shrunk hypothesis counterexample that found the group-size divergence
+# (pytest_kvconform/suites/test_kvconform_properties.py).
 ATTENTION_MINORITY_HYBRID = """
 schema = "kv-scenario/1"
 name = "generated"

@@ -9,9 +9,9 @@ import pytest
 
 from pytest_kvconform.scenario import KV_CACHE_DTYPES, MODEL_DTYPES, load_scenario, packaged_scenario_names
 
-SUITES = Path(__file__).resolve().parents[1] / "suites"
-RULES_SUITE = str(SUITES / "test_rules.py")
-PROPS_SUITE = str(SUITES / "test_properties.py")
+SUITES = Path(__file__).resolve().parents[1] / "pytest_kvconform" / "suites"
+RULES_SUITE = str(SUITES / "test_kvconform_rules.py")
+PROPS_SUITE = str(SUITES / "test_kvconform_properties.py")
 
 WRONG_BACKEND = '''
 from pytest_kvconform.backends.base import ReferenceBackend
@@ -336,7 +336,7 @@ def test_a_failure_names_rule_backend_scenario_and_field(backends: pytest.Pytest
 
 
 def test_a_golden_mismatch_shows_the_field_and_syrupys_diff(backends: pytest.Pytester) -> None:
-    reported = str(SUITES / "regressions" / "test_reported.py")
+    reported = str(SUITES / "regressions" / "test_kvconform_reported.py")
     result = backends.runpytest(reported, "--kvconform-backend=somebackends:Broken", "-k", "golden and bs400",
                                 "-p", "no:cacheprovider")  # fmt: skip
     result.stdout.fnmatch_lines([

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -16,8 +17,8 @@ import pytest
 from pytest_kvconform.scenario import load_scenario, packaged_scenario_names
 
 TOY = Path(__file__).parent / "toy_plugin"
-SUITES = Path(__file__).resolve().parents[1] / "suites"
-RULES, ALLOCATION = str(SUITES / "test_rules.py"), str(SUITES / "test_allocation.py")
+SUITES = Path(__file__).resolve().parents[1] / "pytest_kvconform" / "suites"
+RULES, ALLOCATION = str(SUITES / "test_kvconform_rules.py"), str(SUITES / "test_kvconform_allocation.py")
 SCENARIOS = [load_scenario(name) for name in packaged_scenario_names()]
 
 
@@ -116,8 +117,8 @@ def test_a_plugin_platform_is_driven_through_the_vllm_backend(
     suite catches its non-idempotent ``check_and_update_config``."""
     if importlib.util.find_spec("vllm") is None:  # not imported here: pytester drops modules at teardown
         pytest.skip("vLLM is not installed")
-    platform_suite = str(SUITES / "test_platform.py")
-    monkeypatch.setenv("PYTHONPATH", str(TOY))
+    platform_suite = str(SUITES / "test_kvconform_platform.py")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TOY), os.environ.get("PYTHONPATH")])))
     result, rules = run(
         toy,
         platform_suite,

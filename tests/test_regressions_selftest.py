@@ -1,4 +1,5 @@
-"""Self-tests of the snapshot regressions (suites/regressions): each wrong formula fails its regression.
+"""Self-tests of the snapshot regressions (pytest_kvconform/suites/regressions): each wrong formula
+fails its regression.
 
 Every ``WrongX`` backend below subclasses the reference and reintroduces one historical bug in the
 rule method(s) concerned, and nowhere else: its ``plan()`` is the reference's composition over its
@@ -14,9 +15,12 @@ from pathlib import Path
 
 import pytest
 
-SUITES = Path(__file__).resolve().parents[1] / "suites"
+SUITES = Path(__file__).resolve().parents[1] / "pytest_kvconform" / "suites"
 REGRESSIONS = SUITES / "regressions"
-REPORTED, HISTORY = str(REGRESSIONS / "test_reported.py"), str(REGRESSIONS / "test_history.py")
+REPORTED, HISTORY = (
+    str(REGRESSIONS / "test_kvconform_reported.py"),
+    str(REGRESSIONS / "test_kvconform_history.py"),
+)
 PACKAGE_SCENARIOS = Path(__file__).resolve().parents[1] / "pytest_kvconform" / "scenarios" / "regressions"
 
 WRONG_BACKENDS = '''
@@ -241,134 +245,134 @@ CASES: dict[str, tuple[str, set[str]]] = {
     "Unaligned229": (
         "metal229 or 229-granite",
         {
-            "test_reported.py::test_metal229_granite_bs400_one_sequence_is_block_aligned",
-            "test_reported.py::test_plan_golden[vllm-metal-229-granite-bs400]",
+            "test_kvconform_reported.py::test_metal229_granite_bs400_one_sequence_is_block_aligned",
+            "test_kvconform_reported.py::test_plan_golden[vllm-metal-229-granite-bs400]",
         },
     ),
     "NoAlignment230": (
         "metal230 or 230-qwen35",
         {
-            "test_reported.py::test_metal230_qwen35_reviewer_block[32-160-19.40]",
-            "test_reported.py::test_metal230_qwen35_reviewer_block[16-144-7.46]",
-            "test_reported.py::test_plan_golden[vllm-metal-230-qwen35-bs160]",
+            "test_kvconform_reported.py::test_metal230_qwen35_reviewer_block[32-160-19.40]",
+            "test_kvconform_reported.py::test_metal230_qwen35_reviewer_block[16-144-7.46]",
+            "test_kvconform_reported.py::test_plan_golden[vllm-metal-230-qwen35-bs160]",
         },
     ),
     "NoKernelTranslation235": (
         "metal235 or 235-qwen35 or 230-qwen35",
         {
-            "test_reported.py::test_metal235_block_160_runs_as_5_kernel_blocks_of_32",
-            "test_reported.py::test_metal235_qwen35_08b_today[fp32-state]",
-            "test_reported.py::test_metal235_qwen35_08b_today[bf16-state]",
-            "test_reported.py::test_plan_golden[vllm-metal-230-qwen35-bs160]",
-            "test_reported.py::test_plan_golden[vllm-metal-235-qwen35-08b-fp32-state]",
-            "test_reported.py::test_plan_golden[vllm-metal-235-qwen35-08b-bf16-state]",
+            "test_kvconform_reported.py::test_metal235_block_160_runs_as_5_kernel_blocks_of_32",
+            "test_kvconform_reported.py::test_metal235_qwen35_08b_today[fp32-state]",
+            "test_kvconform_reported.py::test_metal235_qwen35_08b_today[bf16-state]",
+            "test_kvconform_reported.py::test_plan_golden[vllm-metal-230-qwen35-bs160]",
+            "test_kvconform_reported.py::test_plan_golden[vllm-metal-235-qwen35-08b-fp32-state]",
+            "test_kvconform_reported.py::test_plan_golden[vllm-metal-235-qwen35-08b-bf16-state]",
             *(
-                f"test_history.py::test_metal235_kernel_block_is_translated[{b}-{k}]"
+                f"test_kvconform_history.py::test_metal235_kernel_block_is_translated[{b}-{k}]"
                 for b, k in [(544, 32), (1808, 16), (144, 16), (2768, 16), (4192, 32)]
             ),
-            "test_history.py::test_metal235_plan_reports_the_translation",
+            "test_kvconform_history.py::test_metal235_plan_reports_the_translation",
         },
     ),
     "Fp8DsMla576": (
         "glm5",
         {
-            "test_reported.py::test_glm5_fp8_ds_mla_pages",
-            "test_reported.py::test_plan_golden[glm5-fp8-ds-mla]",
+            "test_kvconform_reported.py::test_glm5_fp8_ds_mla_pages",
+            "test_kvconform_reported.py::test_plan_golden[glm5-fp8-ds-mla]",
         },
     ),
     "Planner576": (
         "vllm_b2 or vllm-b2",
         {
-            "test_reported.py::test_vllm_b2_mla_hybrid_block_uses_the_packed_page",
-            "test_reported.py::test_plan_golden[vllm-b2-mla-mamba-fp8-ds-mla]",
-            "test_reported.py::test_vllm_b2_kimi_linear_block_uses_the_packed_page",
-            "test_reported.py::test_plan_golden[vllm-b2-kimi-linear-mla-kda-fp8-ds-mla]",
+            "test_kvconform_reported.py::test_vllm_b2_mla_hybrid_block_uses_the_packed_page",
+            "test_kvconform_reported.py::test_plan_golden[vllm-b2-mla-mamba-fp8-ds-mla]",
+            "test_kvconform_reported.py::test_vllm_b2_kimi_linear_block_uses_the_packed_page",
+            "test_kvconform_reported.py::test_plan_golden[vllm-b2-kimi-linear-mla-kda-fp8-ds-mla]",
         },
     ),
     "LcmAsPadToMax": (
         "40128",
         {
-            "test_reported.py::test_vllm40128_turboquant_lcm_policies[lcm]",
-            "test_reported.py::test_vllm40128_turboquant_lcm_plan",
-            "test_reported.py::test_plan_golden[vllm-40128-turboquant-lcm]",
+            "test_kvconform_reported.py::test_vllm40128_turboquant_lcm_policies[lcm]",
+            "test_kvconform_reported.py::test_vllm40128_turboquant_lcm_plan",
+            "test_kvconform_reported.py::test_plan_golden[vllm-40128-turboquant-lcm]",
         },
     ),
     "TurboQuantUnpacked472": (
         "39931",
         {
-            "test_reported.py::test_vllm39931_qwen36_turboquant_k8v4_real_run",
-            "test_reported.py::test_plan_golden[vllm-39931-qwen36-turboquant-k8v4]",
+            "test_kvconform_reported.py::test_vllm39931_qwen36_turboquant_k8v4_real_run",
+            "test_kvconform_reported.py::test_plan_golden[vllm-39931-qwen36-turboquant-k8v4]",
         },
     ),
     "GdnStateAtModelDtype243": (
         "243",
         {
-            "test_history.py::test_metal243_gdn_recurrent_state_is_fp32",
-            "test_history.py::test_plan_golden[vllm-metal-243-gdn-fp32-state]",
+            "test_kvconform_history.py::test_metal243_gdn_recurrent_state_is_fp32",
+            "test_kvconform_history.py::test_plan_golden[vllm-metal-243-gdn-fp32-state]",
         },
     ),
     "Mla2x233": (
         "233",
         {
-            "test_history.py::test_metal233_529_mla_is_one_latent",
-            "test_history.py::test_plan_golden[vllm-metal-233-529-glm47-mla]",
+            "test_kvconform_history.py::test_metal233_529_mla_is_one_latent",
+            "test_kvconform_history.py::test_plan_golden[vllm-metal-233-529-glm47-mla]",
         },
     ),
     "NullBlock513": (
         "513",
         {
-            "test_history.py::test_metal513_estimate_reserves_the_null_block",
-            "test_history.py::test_plan_golden[vllm-metal-513-llama3-null-block]",
+            "test_kvconform_history.py::test_metal513_estimate_reserves_the_null_block",
+            "test_kvconform_history.py::test_plan_golden[vllm-metal-513-llama3-null-block]",
         },
     ),
     "IgnoresOverride527": (
         "527",
         {
-            "test_history.py::test_metal527_block_override_is_what_the_engine_requests",
-            "test_history.py::test_plan_golden[vllm-metal-527-qwen25-block-override]",
+            "test_kvconform_history.py::test_metal527_block_override_is_what_the_engine_requests",
+            "test_kvconform_history.py::test_plan_golden[vllm-metal-527-qwen25-block-override]",
         },
     ),
     "RawStateInEstimate575": (
         "575",
         {
-            "test_history.py::test_metal575_estimate_counts_padded_state_pages",
-            "test_history.py::test_plan_golden[vllm-metal-575-qwen36-padded-state]",
+            "test_kvconform_history.py::test_metal575_estimate_counts_padded_state_pages",
+            "test_kvconform_history.py::test_plan_golden[vllm-metal-575-qwen36-padded-state]",
         },
     ),
     "SlidingAsFull563": (
         "563",
         {
-            "test_history.py::test_metal563_sliding_layers_are_not_billed_as_full",
-            "test_history.py::test_plan_golden[vllm-metal-563-gemma-sliding-full]",
+            "test_kvconform_history.py::test_metal563_sliding_layers_are_not_billed_as_full",
+            "test_kvconform_history.py::test_plan_golden[vllm-metal-563-gemma-sliding-full]",
         },
     ),
     "UniformMaxHead251": (
         "251",
         {
-            "test_history.py::test_metal251_277_per_layer_kv_heads",
-            "test_history.py::test_plan_golden[vllm-metal-251-277-gemma4-31b-heads]",
+            "test_kvconform_history.py::test_metal251_277_per_layer_kv_heads",
+            "test_kvconform_history.py::test_plan_golden[vllm-metal-251-277-gemma4-31b-heads]",
         },
     ),
     "MambaBlockPerToken259": (
         "259",
         {
-            "test_history.py::test_metal259_579_state_needs_one_block_per_request",
-            "test_history.py::test_plan_golden[vllm-metal-259-579-qwen3-next-state-blocks]",
-            "test_history.py::test_plan_golden[vllm-metal-259-579-qwen3-next-1301]",
+            "test_kvconform_history.py::test_metal259_579_state_needs_one_block_per_request",
+            "test_kvconform_history.py::test_plan_golden[vllm-metal-259-579-qwen3-next-state-blocks]",
+            "test_kvconform_history.py::test_plan_golden[vllm-metal-259-579-qwen3-next-1301]",
         },
     ),
     "Dtype2Bytes125": (
         "125",
         {
-            "test_history.py::test_metal125_fp32_model_is_4_bytes",
-            "test_history.py::test_plan_golden[vllm-metal-125-qwen3-fp32]",
+            "test_kvconform_history.py::test_metal125_fp32_model_is_4_bytes",
+            "test_kvconform_history.py::test_plan_golden[vllm-metal-125-qwen3-fp32]",
         },
     ),
     "ScaleMamba43626": (
         "43626",
         {
-            "test_history.py::test_vllm43626_mamba_page_is_padded_not_scaled",
-            "test_history.py::test_plan_golden[vllm-43626-granite-dense-draft]",
+            "test_kvconform_history.py::test_vllm43626_mamba_page_is_padded_not_scaled",
+            "test_kvconform_history.py::test_plan_golden[vllm-43626-granite-dense-draft]",
         },
     ),
 }
@@ -403,10 +407,10 @@ def test_goldens_fail_on_an_unused_snapshot(
     # Under xdist the inner run would inherit the worker id, and syrupy skips the unused check there.
     monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
     # a module name of its own: the outer session has already imported suites' test_history
-    shutil.copy(REGRESSIONS / "test_history.py", pytester.path / "test_history_copy.py")
+    shutil.copy(REGRESSIONS / "test_kvconform_history.py", pytester.path / "test_history_copy.py")
     shutil.copy(REGRESSIONS / "conftest.py", pytester.path / "conftest.py")  # the golden fixture
     goldens = pytester.path / "__snapshots__" / "test_history_copy"
-    shutil.copytree(REGRESSIONS / "__snapshots__" / "test_history", goldens)
+    shutil.copytree(REGRESSIONS / "__snapshots__" / "test_kvconform_history", goldens)
     stale = goldens / "test_plan_golden[vllm-metal-0-removed].json"
     stale.write_text("{}\n")
     result = pytester.runpytest("-k", "golden", "-p", "no:cacheprovider")
@@ -416,9 +420,10 @@ def test_goldens_fail_on_an_unused_snapshot(
 
 
 def test_regression_scenarios_pass_the_conformance_suite(pytester: pytest.Pytester) -> None:
-    """The regression scenarios are valid for suites/test_rules.py (as packaged scenarios must be)."""
+    """The regression scenarios are valid for the rules suite (as packaged scenarios must be)."""
     stems = sorted(p.stem for p in PACKAGE_SCENARIOS.glob("*.toml"))
-    result = pytester.runpytest(str(SUITES / "test_rules.py"), f"--kvconform-scenarios={PACKAGE_SCENARIOS}",
+    rules = str(SUITES / "test_kvconform_rules.py")
+    result = pytester.runpytest(rules, f"--kvconform-scenarios={PACKAGE_SCENARIOS}",
                                 "-k", " or ".join(stems), "-p", "no:cacheprovider")  # fmt: skip
     outcomes = result.parseoutcomes()
     assert result.ret == pytest.ExitCode.OK, result.stdout.str()[-3000:]

@@ -4,7 +4,7 @@ Each regression is a scenario (``pytest_kvconform/scenarios/regressions/*.toml``
 one), a golden of the reference's full ``KVPlan`` for it (``__snapshots__/``, JSON) and tests on
 the rule methods involved. Every test calls the *selected backend* (``--kvconform-backend``), so
 one golden serves every backend; the goldens are written from the reference with
-``pytest suites/regressions --snapshot-update`` (default backend) and a plain run fails on a
+``pytest pytest_kvconform/suites/regressions --snapshot-update`` (default backend) and a plain run fails on a
 changed or unused golden.
 """
 

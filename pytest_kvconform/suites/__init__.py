@@ -1,0 +1,1 @@
+"""pytest-kvconform conformance suites (run with pytest --pyargs pytest_kvconform.suites)."""

@@ -1,0 +1,1 @@
+"""Benchmarks; they run only with --benchmark-only."""

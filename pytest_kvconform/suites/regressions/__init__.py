@@ -1,0 +1,1 @@
+"""Snapshot regressions of the reported KV-sizing bugs."""
