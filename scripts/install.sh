@@ -17,5 +17,9 @@ if [[ "$(uname -s)" == Darwin ]]; then
 else
     "$VENV/bin/pip" install --quiet -e '.[metal-cpu,dev]'
     bash scripts/install-vllm.sh "$VENV"
+    # vLLM 0.29.0 and the 0.33.0 sources for scripts/test.sh (KVCONFORM_VLLM_RELEASES=0 skips them)
+    if [[ "$VENV" == .venv && "${KVCONFORM_VLLM_RELEASES:-1}" != 0 ]]; then
+        bash scripts/install-vllm-releases.sh
+    fi
 fi
 "$VENV/bin/python" -c "import pytest_kvconform, mlx.core; print('pytest-kvconform', pytest_kvconform.__version__, 'installed in $VENV')"

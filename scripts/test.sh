@@ -2,19 +2,43 @@
 # Run every test: the plugin's own tests and the conformance suites against the reference,
 # then the conformance suites against the bundled Metal runtime, against the installed vLLM on
 # vLLM core's neutral platform, and against vLLM's CPU platform (its CPU probes answering as an
-# AVX-512 BF16 host, its departures kept as data in pytest_kvconform/xfails/).
-# Extra arguments go to the first run. Exits non-zero if any run fails.
+# AVX-512 BF16 host, its departures kept as data in pytest_kvconform/xfails/); then the vllm
+# backend on vLLM 0.29.0 (.venv-vllm029) and on vLLM 0.33.0's Python sources over the 0.32 CPU
+# runtime (.vllm-overlay/0.33), both from scripts/install-vllm-releases.sh, each judged by its own
+# release's rules (--kvconform-vllm defaults to the vLLM imported). Each of the three vLLM runs
+# asserts the release in its header. Extra arguments go to the first run. Exits non-zero if any
+# run fails.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 export VLLM_CACHE_ROOT=${VLLM_CACHE_ROOT:-$PWD/.vllm-cache} HF_HUB_OFFLINE=1
 status=0
 run() { echo "+ pytest $*"; "$PY" -m pytest -p no:cacheprovider --benchmark-disable "$@" || status=1; }
+# a vLLM run: its header must name the release whose rules judge it
+run_vllm() {
+    local release=$1; shift
+    if [[ "$(uname -s)" == Darwin ]]; then echo "skipped on macOS: no vLLM $release for CPU"; return; fi
+    if [[ ! -x "$PY" || ( -n "${PYTHONPATH:-}" && ! -d "$PYTHONPATH/vllm" ) ]]; then
+        echo "vLLM $release is not installed: bash scripts/install-vllm-releases.sh"
+        [[ "${KVCONFORM_VLLM_RELEASES:-1}" == 0 ]] || status=1
+        return
+    fi
+    echo "+ pytest $* (vLLM $release)"
+    "$PY" -m pytest -p no:cacheprovider --benchmark-disable "$@" | tee "$log" || status=1
+    grep -q "reference=vLLM $release rules (installed vLLM $release" "$log" || { echo "not judged by vLLM $release's rules"; status=1; }
+}
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
 run "$@"
 run pytest_kvconform/suites --kvconform-backend=metal
-run pytest_kvconform/suites --kvconform-backend=vllm --kvconform-max-examples=10
+run_vllm 0.32 pytest_kvconform/suites --kvconform-backend=vllm --kvconform-max-examples=10
 run pytest_kvconform/suites --ignore=pytest_kvconform/suites/test_kvconform_properties.py --kvconform-backend=vllm \
     --kvconform-backend-option=platform=vllm.platforms.cpu:CpuPlatform \
     --kvconform-backend-option=cpu_features=avx512_bf16 \
     --kvconform-xfails=pytest_kvconform/xfails/vllm-cpu-platform.toml
+# each release its own model-info cache (vLLM re-inspects a model class whose source changed)
+PY=.venv-vllm029/bin/python VLLM_CACHE_ROOT=$VLLM_CACHE_ROOT/vllm-0.29 \
+    run_vllm 0.29 pytest_kvconform/suites --kvconform-backend=vllm --kvconform-max-examples=10
+PYTHONPATH=.vllm-overlay/0.33 VLLM_TARGET_DEVICE=cpu VLLM_CACHE_ROOT=$VLLM_CACHE_ROOT/vllm-0.33 \
+    run_vllm 0.33 pytest_kvconform/suites --kvconform-backend=vllm --kvconform-max-examples=10
 exit $status

@@ -17,6 +17,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from pytest_kvconform import strategies
 from pytest_kvconform.reference import plan
 from pytest_kvconform.reference.grouping import get_kv_cache_groups
 from pytest_kvconform.reference.hybrid import hybrid_alignment
@@ -378,3 +379,16 @@ def test_plan_is_deterministic(d):
         if s1.runtime.num_gpu_blocks_override is not None
         else s1.runtime.kv_cache_memory_bytes
     )
+
+
+@pytest.mark.parametrize("rule", strategies.EXERCISABLE_RULES)
+def test_the_strategies_reach_every_tp_speculation_window_and_block_rule(rule: str) -> None:
+    """Generated scenarios reach each rule family the packaged suite counts (the summary's
+    "generated inputs compared, per rule they reach"); ``find`` fails if none of its examples does."""
+    from hypothesis import find
+
+    def reaches(data: dict[str, Any]) -> bool:
+        return rule in strategies.exercised_rules(scenario_from_dict(data, "<hypothesis>"))
+
+    found = find(strategies.scenario_dicts(), reaches, settings=settings(max_examples=2000, database=None))
+    assert reaches(found)

@@ -1076,3 +1076,27 @@ def test_mla_chunked_local_layer_keeps_chunk_size():
     assert spec.attention_chunk_size == 8192
     assert spec.max_memory_usage_bytes(s.runtime) == math.ceil(12_288 / 64) * 64 * 1152
     assert plan(s).blocks_per_request == 2048 + 192  # full MLA cdiv(131072, 64) + chunked 192
+
+
+@pytest.mark.parametrize(
+    ("release", "extra_block_alignment", "pages"),
+    [
+        # vLLM 0.33.0 qwen_gdn_linear_attn.py: align mode + FlashInfer GDN prefill (alignment 64)
+        # gives the GDN spec one prefill checkpoint block: P * (2 + 0 + 1) per request
+        ("0.33", 64, 3),
+        ("0.33", 1, 2),  # no FlashInfer GDN prefill: no checkpoint block, P * (2 + 0)
+        ("0.32", 64, 2),  # vLLM 0.32's GDN spec has none
+    ],
+)
+def test_qwen_gdn_prefill_checkpoint_block(release, extra_block_alignment, pages):
+    from pytest_kvconform.backends.base import ReferenceBackend
+    from pytest_kvconform.reference.releases import rule_set
+
+    s = load_scenario("qwen3.5-4b").with_runtime(
+        mamba_cache_mode="align", extra_block_alignment=extra_block_alignment
+    )
+    rules = ReferenceBackend()
+    rules.release = rule_set(release)
+    (state,) = {x for x in rules.layer_specs(scenario=s).values() if isinstance(x, MambaSpec)}
+    assert state.num_prefill_checkpoint_blocks == pages - 2
+    assert state.max_memory_usage_bytes(s.runtime) == pages * state.page_size_bytes

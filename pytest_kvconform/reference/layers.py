@@ -66,6 +66,7 @@ def layer_specs(
                 built[kind] = state_spec(
                     scenario, block_size=mamba_block, page_size_padded=padded, shapes=shapes,
                     mamba2_checkpoint_block=release.has("mamba2_prefill_checkpoint_block"),
+                    gdn_checkpoint_block=release.has("gdn_prefill_checkpoint_block"),
                 )  # fmt: skip
             else:
                 assert attn is not None

