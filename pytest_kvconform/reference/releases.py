@@ -6,7 +6,11 @@ with where it lives and the release that first has it; :func:`rule_set` gives th
 release. Rule code asks ``release.has(name)`` at the one place a change applies, never a version.
 
 Changes of rules the reference does not model are not listed (e.g. 0.29's CPU_ATTN kernel blocks
-becoming ``MultipleOf(32)``, a platform rule; KDA RecoverSSM records, 0.29 to 0.32; HiSparse).
+becoming ``MultipleOf(32)``, a platform rule; KDA RecoverSSM records, 0.29 to 0.32; the ReplaySSM
+ring of ``append_replayssm_ring``, whose B cache counts ``extra_groups_for_head_shards`` from 0.33;
+HiSparse), nor refactors that keep the bytes: 0.28's ``real_page_size_bytes`` alias of
+``unpadded_page_size_bytes``, which replaced ``TQFullAttentionSpec`` and gives a TurboQuant layer
+the bytes it had.
 """
 
 from __future__ import annotations
