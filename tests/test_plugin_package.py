@@ -109,6 +109,11 @@ class WrongAlignment(ReferenceBackend):
 """
 
 
+#: hypothesis's default profile, which saves examples: under CI=true (or another CI variable)
+#: hypothesis loads its "ci" profile, which has no example database
+DEFAULT_PROFILE = ("--hypothesis-profile=default",)
+
+
 @pytest.mark.parametrize("cacheprovider", [True, False])
 def test_hypothesis_files_stay_out_of_the_working_directory(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, cacheprovider: bool
@@ -121,6 +126,7 @@ def test_hypothesis_files_stay_out_of_the_working_directory(
     args = [
         "--pyargs", "pytest_kvconform.suites.test_kvconform_properties", "-k", "hybrid_alignment",
         "--kvconform-backend=wrongbackend:WrongAlignment", "--kvconform-max-examples=30",
+        *DEFAULT_PROFILE,
     ]  # fmt: skip
     if not cacheprovider:
         args += ["-p", "no:cacheprovider"]
@@ -139,7 +145,7 @@ def test_foreign_hypothesis_database_is_untouched(
     monkeypatch.delenv("HYPOTHESIS_STORAGE_DIRECTORY", raising=False)
     pytester.makepyfile("from hypothesis import given, strategies as st\n\n"
                         "@given(st.integers())\ndef test_fails(x):\n    assert x < 10\n")  # fmt: skip
-    pytester.runpytest_subprocess("-p", "no:cacheprovider").assert_outcomes(failed=1)
+    pytester.runpytest_subprocess("-p", "no:cacheprovider", *DEFAULT_PROFILE).assert_outcomes(failed=1)
     assert (pytester.path / ".hypothesis" / "examples").is_dir()
 
 
