@@ -9,6 +9,7 @@ applicable skips (``pytest.skip``), a backend that raises fails (``pytest.fail``
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,16 +17,17 @@ from typing import Any
 
 import pytest
 
+from . import provenance
 from .conformance import (
     Departure,
     assert_same,
     assert_same_layers,
     call_rule,
-    inherits_rule,
     known_failure_of,
     outcome,
     plan_with_trace,
 )
+from .errors import REJECTIONS
 from .model import KVPlan
 from .reference.specs import AttentionSpec, MambaSpec
 from .reference.unify import POLICIES
@@ -168,19 +170,14 @@ def kernel_block_size(backend: Any, reference: Any, block_size: int) -> None:
     assert_same("kernel_block", backend, None, {key: expected}, {key: got})
 
 
-def plan(
-    backend: Any,
-    reference: Any,
-    scenario: Scenario,
-    record_property: Callable[[str, Any], None] | None = None,
-) -> None:
+def plan(backend: Any, reference: Any, scenario: Scenario) -> None:
     """The backend's own composition: each step answered by its own rule, or the reference's
-    where it declines (those steps are recorded and reported)."""
+    where it declines (every step's answer is recorded with who gave it)."""
     expected = outcome(reference, "plan", scenario=scenario)
     if expected[0] != "ok":
         assert_same("plan", backend, scenario, expected, outcome(backend, "plan", scenario=scenario))
         return
-    got = plan_with_trace(backend, scenario, record_property)
+    got = plan_with_trace(backend, scenario, reference)
     assert_same("plan", backend, scenario, expected[1].to_dict(), got.to_dict())
 
 
@@ -189,7 +186,7 @@ def _matches(want: Any, got: Any) -> bool:
     return abs(got - want) <= 0.01 if isinstance(want, float) else got == want
 
 
-def expectations(backend: Any, scenario: Scenario) -> None:
+def expectations(backend: Any, reference: Any, scenario: Scenario) -> None:
     """The scenario file's own ``[expect]`` table (numbers its author derived) and the plan fields
     of its ``[expect.external]`` (public observations) against the backend's plan."""
     external = {k: v for k, v in scenario.expect_external.items() if k in KVPlan.field_names()}
@@ -206,6 +203,57 @@ def expectations(backend: Any, scenario: Scenario) -> None:
         raise Departure(message, "plan", *wrong[0], pytrace=False)
 
 
+# ----------------------------------------------------------------------------- the table
+
+
+@dataclass(frozen=True)
+class Check:
+    """One per-scenario comparison: its rule family, the suite test that runs it (one per
+    scenario, and per parameter when ``params``) and the function that compares."""
+
+    rule: str
+    test: str
+    run: Callable[..., None]
+    params: tuple[Any, ...] = ()
+
+
+#: The per-scenario comparisons, in derivation order: ``pytest_kvconform/suites/
+#: test_kvconform_rules.py`` makes one test of each, ``kvconform check`` runs each per scenario.
+CHECKS: tuple[Check, ...] = (
+    Check("hybrid_alignment", "test_hybrid_alignment", hybrid_alignment),
+    Check("block_size", "test_choose_block_size", choose_block_size),
+    Check("state_page", "test_state_shapes_and_page", state_shapes_and_page),
+    Check("layer_specs", "test_layer_specs", layer_specs),
+    Check("attention_page", "test_attention_page_bytes", attention_page_bytes),
+    Check("max_memory", "test_max_memory_usage_bytes", max_memory_usage_bytes),
+    Check("unification", "test_unify_page_sizes", unify_page_sizes),
+    Check("grouping", "test_kv_cache_groups", kv_cache_groups),
+    Check("memory", "test_check_memory", check_memory),
+    Check("memory", "test_estimate_max_model_len", estimate_max_model_len, FRACTIONS),
+    Check("one_sequence", "test_one_sequence_bytes", one_sequence_bytes),
+    Check("plan", "test_plan", plan),
+    Check("plan", "test_expectations", expectations),
+)
+
+
+def suite_test(check: Check) -> Callable[..., None]:
+    """The suite's test of ``check``: marked with its rule, over ``kv_scenario`` (and its params)."""
+    if check.params:
+
+        @pytest.mark.parametrize("param", check.params)
+        def test(kv_backend: Any, kv_reference: Any, kv_scenario: Scenario, param: Any) -> None:
+            check.run(kv_backend, kv_reference, kv_scenario, param)
+
+    else:
+
+        def test(kv_backend: Any, kv_reference: Any, kv_scenario: Scenario) -> None:  # type: ignore[misc]
+            check.run(kv_backend, kv_reference, kv_scenario)
+
+    test.__name__ = test.__qualname__ = check.test
+    test.__doc__ = check.run.__doc__
+    return pytest.mark.kvconform_rule(check.rule)(test)  # type: ignore[no-any-return]
+
+
 # ----------------------------------------------------------------------------- outside pytest
 
 
@@ -215,81 +263,81 @@ def scenario_id(scenario: Scenario) -> str:
 
 
 @dataclass(frozen=True)
-class Check:
-    """One comparison of one scenario: its rule family, its suite test's name and how to run it."""
+class Comparison:
+    """One check of one scenario as pytest names it (``test_plan[granite-4.0-h-tiny]``, so
+    ``known_failures`` globs apply), ready to run."""
 
     rule: str
     test: str
     run: Callable[[Any, Any, Scenario], None]
 
 
-def _estimate(sid: str, fraction: float) -> Check:
-    def run(backend: Any, reference: Any, scenario: Scenario) -> None:
-        estimate_max_model_len(backend, reference, scenario, fraction)
-
-    return Check("memory", f"test_estimate_max_model_len[{sid}-{fraction}]", run)
-
-
-def scenario_checks(reference: Any, scenario: Scenario) -> list[Check]:
-    """The suite's per-scenario tests of ``scenario``, in derivation order, named as pytest names
-    them (``test_plan[granite-4.0-h-tiny]``), so ``known_failures`` globs apply. The kernel block
-    is checked at the reference's block of this scenario (the suite checks a fixed list)."""
+def scenario_checks(reference: Any, scenario: Scenario) -> list[Comparison]:
+    """Every check of :data:`CHECKS` on ``scenario``, in derivation order, plus the kernel block
+    at the reference's block of this scenario (the suite checks a fixed list of blocks)."""
     sid = scenario_id(scenario)
-    checks = [
-        Check("hybrid_alignment", f"test_hybrid_alignment[{sid}]", hybrid_alignment),
-        Check("block_size", f"test_choose_block_size[{sid}]", choose_block_size),
-        Check("state_page", f"test_state_shapes_and_page[{sid}]", state_shapes_and_page),
-        Check("layer_specs", f"test_layer_specs[{sid}]", layer_specs),
-        Check("attention_page", f"test_attention_page_bytes[{sid}]", attention_page_bytes),
-        Check("max_memory", f"test_max_memory_usage_bytes[{sid}]", max_memory_usage_bytes),
-        Check("unification", f"test_unify_page_sizes[{sid}]", unify_page_sizes),
-        Check("grouping", f"test_kv_cache_groups[{sid}]", kv_cache_groups),
-        Check("memory", f"test_check_memory[{sid}]", check_memory),
-        *(_estimate(sid, f) for f in FRACTIONS),
-        Check("one_sequence", f"test_one_sequence_bytes[{sid}]", one_sequence_bytes),
-    ]
-    try:
-        block = reference.plan(scenario=scenario).block_size
-    except Exception:  # a scenario the reference rejects: the plan check reports it
-        block = None
-    if block is not None:
-        checks.append(Check("kernel_block", f"test_kernel_block_size[{block}]",
-                            lambda b, r, s, n=block: kernel_block_size(b, r, n)))  # fmt: skip
-    checks += [
-        Check("plan", f"test_plan[{sid}]", plan),
-        Check("plan", f"test_expectations[{sid}]", lambda b, r, s: expectations(b, s)),
-    ]
-    return checks
+    out: list[Comparison] = []
+    for check in CHECKS:
+        if check.rule == "plan" and check.test == "test_plan":
+            block = reference_block(reference, scenario)
+            if block is not None:
+                out.append(Comparison("kernel_block", f"test_kernel_block_size[{block}]",
+                                      lambda b, r, s, n=block: kernel_block_size(b, r, n)))  # fmt: skip
+        for p in check.params:
+            run = functools.partial(_run_with, check.run, param=p)
+            out.append(Comparison(check.rule, f"{check.test}[{sid}-{p}]", run))
+        if check.params:
+            continue
+        out.append(Comparison(check.rule, f"{check.test}[{sid}]", check.run))
+    return out
+
+
+def _run_with(run: Callable[..., None], backend: Any, reference: Any, scenario: Scenario, param: Any) -> None:
+    run(backend, reference, scenario, param)
+
+
+def reference_block(reference: Any, scenario: Scenario) -> int | None:
+    """The reference's block of ``scenario``, or None when the reference rejects the scenario
+    (the plan check then compares the rejections)."""
+    answer = provenance.ask(reference, "plan", scenario=scenario)
+    if answer.error is not None and not isinstance(answer.error, REJECTIONS):
+        raise answer.error
+    return None if answer.error is not None else answer.value.block_size
 
 
 def run_check(
-    check: Check, backend: Any, reference: Any, scenario: Scenario, xfails: Mapping[str, str] | None = None
+    check: Comparison,
+    backend: Any,
+    reference: Any,
+    scenario: Scenario,
+    xfails: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """Run one check; its record (the report's ``results`` entry): test, rule, scenario, outcome
-    (passed, inherited, failed, skipped, xfailed), message and the first difference (or None)."""
+    (passed, inherited, failed, skipped, xfailed), message, the first difference (or None) and
+    the backend's answers by who gave them."""
     difference: dict[str, str] | None = None
     message = ""
-    try:
-        check.run(backend, reference, scenario)
-        result = "passed"
-    except Departure as exc:
-        result, message, difference = "failed", str(exc), exc.to_dict()
-    except pytest.skip.Exception as exc:
-        result, message = "skipped", str(exc)
-    except pytest.fail.Exception as exc:
-        result, message = "failed", str(exc)
-    except Exception as exc:  # a comparison that could not run: a failure of this check only
-        result, message = "failed", f"[{check.rule}] {type(exc).__name__}: {exc}"
+    with provenance.ledger() as ledger:
+        try:
+            check.run(backend, reference, scenario)
+            result = ledger.outcome_of_pass()
+        except Departure as exc:
+            result, message, difference = "failed", str(exc), exc.to_dict()
+        except pytest.skip.Exception as exc:
+            result, message = "skipped", str(exc)
+        except pytest.fail.Exception as exc:
+            result, message = "failed", str(exc)
+        except Exception as exc:  # a comparison that could not run: a failure of this check only
+            result, message = "failed", f"[{check.rule}] {type(exc).__name__}: {exc}"
     reason = known_failure_of(backend, check.rule, check.test, xfails)
     if reason is not None and result != "skipped":
         if result == "failed":
             result, message = "xfailed", reason
         else:  # a strict xfail that passes fails, as in the suites
             result, message = "failed", f"[XPASS(strict)] {reason}"
-    elif result == "passed" and inherits_rule(backend, check.rule):
-        result = "inherited"
     return {"test": check.test, "rule": check.rule, "scenario": scenario_id(scenario), "outcome": result,
-            "message": message.splitlines()[0] if message else "", "difference": difference}  # fmt: skip
+            "message": message.splitlines()[0] if message else "", "difference": difference,
+            "answers": ledger.counts(), "declined": ledger.declined_steps()}  # fmt: skip
 
 
 def run_checks(

@@ -17,7 +17,6 @@ import argparse
 import dataclasses
 import json
 import sys
-from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -103,10 +102,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _release(args: argparse.Namespace) -> tuple[Any, str]:
-    from .plugin import _selected_release
+    from .session import selected_release
 
     try:
-        return _selected_release(args.vllm or "")
+        return selected_release(args.vllm or "")
     except ValueError as exc:
         raise CliError(f"--vllm: {exc}") from None
 
@@ -192,21 +191,33 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _trace(rules: Any, scenario: Any) -> Any:
+    """The trace of ``rules``'s plan of ``scenario``; a rejection propagates (exit 1), anything else
+    is a one-line :class:`CliError`."""
+    from .errors import REJECTIONS, RuleError, RuleNotApplicable
+
+    try:
+        return rules.trace(scenario)
+    except REJECTIONS:
+        raise
+    except (RuleError, RuleNotApplicable) as exc:
+        raise CliError(str(exc)) from None
+
+
 def cmd_explain(args: argparse.Namespace) -> int:
     from .errors import REJECTIONS
-    from .explain import STEP_OF_RULE, block_svg, derivation, format_steps
+    from .explain import block_svg, compare_traces, format_trace
 
     scenario = load_scenario(args.scenario)
-    args.backend_options = args.backend_options or []
     backend, reference, _ = _judged(args)
     try:
-        steps = derivation(reference, scenario)
+        trace = _trace(reference, scenario)
     except REJECTIONS as exc:
         print(f"kvconform: {scenario.name}: rejected: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     if args.svg:
         try:
-            svg = block_svg(reference, scenario)
+            svg = block_svg(trace)
         except ValueError as exc:
             raise CliError(f"--svg: {exc}") from None
         try:
@@ -214,26 +225,25 @@ def cmd_explain(args: argparse.Namespace) -> int:
         except OSError as exc:
             raise CliError(f"--svg: {args.svg}: {exc.strerror or exc}") from None
     print(f"{scenario.name} ({scenario.source}), reference vLLM {reference.release.release} rules")
-    print(format_steps(steps))
+    print(format_trace(trace))
     if args.backend == "reference" and not args.backend_options:
         return 0
-    from .checks import run_check, scenario_checks
-
-    records = [run_check(c, backend, reference, scenario) for c in scenario_checks(reference, scenario)]
-    failed = next((r for r in records if r["outcome"] == "failed"), None)
-    if failed is None:
-        counts = ", ".join(f"{n} {o}" for o, n in sorted(Counter(r["outcome"] for r in records).items()))
-        print(f"backend {backend.name} ({backend.version}): no departure ({counts})")
+    if not callable(getattr(backend, "trace", None)):
+        raise CliError(f"backend {backend.name!r} plans on its own (no trace of steps to compare)")
+    try:
+        theirs = _trace(backend, scenario)
+    except REJECTIONS as exc:
+        print(
+            f"backend {backend.name} ({backend.version}) rejects {scenario.name}: {type(exc).__name__}: {exc}"
+        )
+        return 1
+    lines, first = compare_traces(trace, theirs)
+    print(f"\nbackend {backend.name} ({backend.version}), step by step:")
+    print("\n".join(lines))
+    if first is None:
+        print(f"backend {backend.name}: no departure")
         return 0
-    titles = [s.title for s in steps]
-    step = STEP_OF_RULE.get(failed["rule"], failed["rule"])
-    where = f"step {titles.index(step) + 1} ({step})" if step in titles else step
-    diff = failed["difference"]
-    what = (f"{diff['field']}: reference {diff['reference']}, backend {diff['backend']}" if diff
-            else failed["message"])  # fmt: skip
-    print(
-        f"backend {backend.name} ({backend.version}) departs first at {where}, rule {failed['rule']}: {what}"
-    )
+    print(f"backend {backend.name} departs first at step {first} ({trace.steps[first - 1].title})")
     return 1
 
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from . import provenance
 from .backends.base import METHOD_FAMILY, RULE_FAMILIES, ReferenceBackend
 from .errors import REJECTIONS, RuleError, RuleNotApplicable
 from .reference.specs import MambaSpec
@@ -33,7 +33,6 @@ __all__ = [
     "departure",
     "discard",
     "first_difference",
-    "inherits_rule",
     "known_failure",
     "layer_spec_difference",
     "outcome",
@@ -42,28 +41,16 @@ __all__ = [
 ]
 
 
-#: reason -> generated inputs the running property test discarded (read by the plugin per test)
-DISCARDED: Counter[str] = Counter()
-
-
-#: generated inputs the running property test compared (both answered, or both rejected)
-COMPARED: Counter[str] = Counter()
-
-
-#: rule -> compared inputs of the running property test that reached it
-#: (:func:`pytest_kvconform.strategies.exercised_rules`)
-EXERCISED: Counter[str] = Counter()
-
-
 def discard(reason: str) -> None:
     """Count one generated input the backend cannot model, then let hypothesis reject it."""
-    DISCARDED[reason] += 1
+    provenance.current().discarded[reason] += 1
 
 
 def compared(*exercised: str) -> None:
     """Count one generated input that reached the comparison, and the rules it exercised."""
-    COMPARED["example"] += 1
-    EXERCISED.update(exercised)
+    ledger = provenance.current()
+    ledger.compared += 1
+    ledger.exercised.update(exercised)
 
 
 def skip_if_not_provided(backend: Any, rule: str) -> None:
@@ -73,62 +60,66 @@ def skip_if_not_provided(backend: Any, rule: str) -> None:
         pytest.skip(f"backend {backend.name!r} does not provide rule {rule!r}: {reason}")
 
 
+def _ask(backend: Any, method: str, *inputs: Any, scenario: Scenario | None) -> provenance.Answer:
+    """The backend's answer, recorded in the running test's ledger with who gave it; not provided
+    or not applicable skips."""
+    rule = METHOD_FAMILY.get(method, method)
+    skip_if_not_provided(backend, rule)
+    if getattr(backend, method, None) is None:
+        pytest.skip(f"backend {backend.name!r} has no method {method!r} (rule {rule!r})")
+    answer = provenance.ask(backend, method, *inputs, scenario=scenario)
+    if isinstance(answer.error, RuleNotApplicable):
+        pytest.skip(f"[{rule}] backend {backend.name!r} cannot answer this input: {answer.error}")
+    if not provenance.is_oracle(backend):
+        provenance.current().record(rule, method, answer.by)
+    return answer
+
+
 def call_rule(backend: Any, method: str, *inputs: Any, scenario: Scenario | None = None) -> Any:
     """``backend.<method>(*inputs, scenario=scenario)`` under the exception contract
     (:mod:`pytest_kvconform.errors`): not provided or not applicable skips, anything raised
-    fails this test only, naming the rule, the method, the backend and the scenario."""
+    fails this test only, naming the rule, the method, the backend and the scenario. Who
+    answered is recorded (:mod:`pytest_kvconform.provenance`)."""
+    answer = _ask(backend, method, *inputs, scenario=scenario)
+    if answer.error is None:
+        return answer.value
+    exc = answer.error
+    where = f" on scenario {scenario.name!r} ({scenario.source})" if scenario is not None else ""
     rule = METHOD_FAMILY.get(method, method)
-    skip_if_not_provided(backend, rule)
-    fn: Callable[..., Any] | None = getattr(backend, method, None)
-    if fn is None:
-        pytest.skip(f"backend {backend.name!r} has no method {method!r} (rule {rule!r})")
-    try:
-        return fn(*inputs, scenario=scenario)
-    except RuleNotApplicable as exc:
-        pytest.skip(f"[{rule}] backend {backend.name!r} cannot answer this input: {exc}")
-    except Exception as exc:
-        where = f" on scenario {scenario.name!r} ({scenario.source})" if scenario is not None else ""
-        message = f"[{rule}] backend {backend.name!r}.{method} raised{where}: {type(exc).__name__}: {exc}"
-    pytest.fail(message, pytrace=False)  # outside the except: no chained traceback
+    pytest.fail(f"[{rule}] backend {backend.name!r}.{method} raised{where}: {type(exc).__name__}: {exc}",
+                pytrace=False)  # fmt: skip
 
 
 def outcome(backend: Any, method: str, *inputs: Any, scenario: Scenario | None = None) -> tuple[str, Any]:
     """``("ok", answer)`` or ``("rejects", exception type)``: a rejection (:data:`REJECTIONS`)
     is an answer to compare with the reference's; not applicable skips."""
-    skip_if_not_provided(backend, METHOD_FAMILY.get(method, method))
-    try:
-        return ("ok", getattr(backend, method)(*inputs, scenario=scenario))
-    except RuleNotApplicable as exc:
-        pytest.skip(f"[{METHOD_FAMILY.get(method, method)}] backend {backend.name!r} cannot answer: {exc}")
-    except REJECTIONS as exc:
-        return ("rejects", type(exc).__name__)
+    answer = _ask(backend, method, *inputs, scenario=scenario)
+    if answer.error is None:
+        return ("ok", answer.value)
+    if isinstance(answer.error, REJECTIONS):
+        return ("rejects", type(answer.error).__name__)
+    raise answer.error
 
 
-def plan_with_trace(
-    backend: Any, scenario: Scenario, record_property: Callable[[str, Any], None] | None = None
-) -> Any:
-    """The backend's plan under the exception contract. A backend that composes (does not
-    override ``plan``) is composed here with a :class:`~pytest_kvconform.reference.plan.PlanTrace`;
-    the steps the reference answered for it are recorded as the ``kvconform_reference_steps``
-    user property (the summary counts them)."""
-    from .reference.plan import PlanTrace, compose_plan, overrides
+def plan_with_trace(backend: Any, scenario: Scenario, reference: Any) -> Any:
+    """The backend's plan under the exception contract. A backend that composes (its ``plan``
+    is the reference's composition) is composed here step by step, each step recorded in the
+    running test's ledger with who answered it; ``reference`` (the judged release's rules)
+    answers the steps it declines. A backend with a ``plan`` of its own answers it whole."""
+    from .reference.plan import compose_plan
 
-    if overrides(backend, "plan"):
-        return call_rule(backend, "plan", scenario=scenario)
     skip_if_not_provided(backend, "plan")
-    trace = PlanTrace()
+    code = getattr(getattr(type(backend), "plan", None), "__code__", None)
+    if code is None or not provenance.is_reference_code(code.co_filename):
+        return call_rule(backend, "plan", scenario=scenario)
     try:
-        plan = compose_plan(backend, scenario, trace)
+        return compose_plan(backend, scenario, reference)
     except RuleNotApplicable as exc:
         pytest.skip(f"[plan] backend {backend.name!r} cannot answer this input: {exc}")
     except RuleError as exc:
         message = str(exc)
     except REJECTIONS as exc:
         message = f"[plan] backend {backend.name!r} rejects {scenario.name!r}: {type(exc).__name__}: {exc}"
-    else:
-        if record_property is not None:
-            record_property("kvconform_reference_steps", [str(s) for s in trace.by("reference")])
-        return plan
     pytest.fail(message, pytrace=False)
 
 
@@ -292,17 +283,6 @@ def known_failure_of(
         if key_rule == rule and re.fullmatch(regex, test):
             return str(reason)
     return None
-
-
-def inherits_rule(backend: Any, rule: str) -> bool:
-    """Whether ``backend`` answers ``rule`` with the reference's own code: it overrides none of the
-    family's methods (for ``plan``, none at all). The reference itself inherits nothing."""
-    from .reference.plan import overrides
-
-    if type(backend) is ReferenceBackend:
-        return False
-    methods = [m for ms in RULE_FAMILIES.values() for m in ms] if rule == "plan" else RULE_FAMILIES[rule]
-    return not any(overrides(backend, m) for m in methods)
 
 
 def load_xfails(path: Path, backend_name: str) -> dict[str, str]:

@@ -1,57 +1,31 @@
-"""``kvconform explain``: a scenario's sizing derivation step by step, and one pool block as SVG.
+"""``kvconform explain``: a plan's trace step by step, two traces compared, one pool block as SVG.
 
-Each step shows its numbers (from the reference rules) and the function it mirrors, cited as the
-reference modules' docstrings cite them (vLLM, or vllm-metal for its own rules).
+Formats the :class:`~pytest_kvconform.reference.plan.PlanTrace` that composing a plan records
+(no step is computed here): each step's numbers, the vLLM (or vllm-metal) function it mirrors
+and who answered it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
-from .reference.metal import one_sequence_tokens
+from .conformance import first_difference, first_layer_difference
+from .model import BlockChoice, HybridAlignment, KVCacheGroup, MemoryCheck, PoolAllocation
+from .reference.dtypes import DTYPE_SIZE
+from .reference.plan import PlanTrace, Step, comparable
 from .reference.specs import AttentionSpec, KVCacheSpec, MambaSpec
-from .scenario import Scenario
-
-#: rule family -> the title of the step it checks (a departure of that family is shown there)
-STEP_OF_RULE = {
-    "hybrid_alignment": "hybrid alignment",
-    "block_size": "block choice",
-    "state_page": "per-layer specs",
-    "layer_specs": "per-layer specs",
-    "attention_page": "per-layer specs",
-    "max_memory": "groups",
-    "unification": "unification",
-    "grouping": "groups",
-    "memory": "admission",
-    "one_sequence": "one-sequence estimate",
-    "kernel_block": "kernel block",
-    "plan": "plan",
-}
-
-
-@dataclass
-class Step:
-    """One step of the derivation: its title, the function it mirrors and its numbers."""
-
-    title: str
-    mirrors: str
-    lines: list[str] = field(default_factory=list)
-
-
-def _planning(release: Any) -> str:
-    """The module of vLLM's KV cache planning in ``release`` (split out of kv_cache_utils in 0.33)."""
-    major, minor = map(int, release.release.split("."))
-    return "vllm/v1/core/" + ("kv_cache_planning.py" if (major, minor) >= (0, 33) else "kv_cache_utils.py")
+from .scenario import RuntimeSettings, Scenario
 
 
 def describe_spec(spec: KVCacheSpec) -> str:
     """One line: the spec's kind, geometry and page bytes."""
     if isinstance(spec, MambaSpec):
         parts = " + ".join(
-            f"{'x'.join(map(str, s))} {d} ({math.prod(s) * _size(d)} B)"
+            f"{'x'.join(map(str, s))} {d} ({math.prod(s) * DTYPE_SIZE[d]} B)"
             for s, d in zip(spec.shapes, spec.dtypes, strict=True)
         )
         padded = f", padded to {spec.page_size_bytes} B" if spec.page_size_padded is not None else ""
@@ -66,137 +40,186 @@ def describe_spec(spec: KVCacheSpec) -> str:
     )
 
 
-def _size(dtype: str) -> int:
-    from .reference.dtypes import DTYPE_SIZE
+def _platform(v: Scenario, trace: PlanTrace) -> list[str]:
+    assert trace.scenario is not None
+    before, after = dataclasses.asdict(trace.scenario.runtime), dataclasses.asdict(v.runtime)
+    changed = [f"{k}: {before[k]!r} -> {after[k]!r}" for k in before if before[k] != after[k]]
+    return changed or ["the platform leaves the config as given"]
 
-    return DTYPE_SIZE[dtype]
+
+def _alignment(v: HybridAlignment | None, trace: PlanTrace) -> list[str]:
+    if v is None:
+        return ["not a hybrid attention + state model: nothing to align"]
+    rt = _runtime(trace)
+    lines = [
+        f"attention page per token {v.attn_page_bytes_per_token} B, state page {v.state_page_bytes} B",
+        f"smallest block with attention page >= state page: {v.state_page_bytes} / "
+        f"{v.attn_page_bytes_per_token} = {v.min_block_size:.2f} tokens",
+        f"rounded up to the kernel alignment {rt.kernel_block_alignment} (never below --block-size "
+        f"{rt.block_size}): block {v.block_size}",
+        f"attention page {v.block_size} x {v.attn_page_bytes_per_token} = {v.page_size_bytes} B",
+    ]
+    if v.state_page_padded_bytes is not None:
+        lines.append(f"state page padded {v.state_page_bytes} -> {v.state_page_padded_bytes} B "
+                     f"(+{v.padding_pct:.2f}%)")  # fmt: skip
+    return lines
 
 
-def derivation(reference: Any, scenario: Scenario) -> list[Step]:
-    """The reference's derivation of ``scenario``; a rejection propagates (``REJECTIONS``)."""
-    rt, release = scenario.runtime, reference.release
-    planning = _planning(release)
-    steps = []
-    align = reference.align_hybrid_block_size(scenario=scenario)
-    step = Step("hybrid alignment", "vllm/platforms/interface.py::Platform._align_hybrid_block_size")
-    if align is None:
-        step.lines.append("not a hybrid attention + state model: nothing to align")
-    else:
-        step.lines += [
-            f"attention page per token {align.attn_page_bytes_per_token} B, "
-            f"state page {align.state_page_bytes} B",
-            f"smallest block with attention page >= state page: {align.state_page_bytes} / "
-            f"{align.attn_page_bytes_per_token} = {align.min_block_size:.2f} tokens",
-            f"rounded up to the kernel alignment {rt.kernel_block_alignment} (never below "
-            f"--block-size {rt.block_size}): block {align.block_size}",
-            f"attention page {align.block_size} x {align.attn_page_bytes_per_token} = "
-            f"{align.page_size_bytes} B",
-        ]
-        if align.state_page_padded_bytes is not None:
-            step.lines.append(
-                f"state page padded {align.state_page_bytes} -> {align.state_page_padded_bytes} B "
-                f"(+{align.padding_pct:.2f}%)"
-            )
-    steps.append(step)
+def _choice(v: BlockChoice, trace: PlanTrace) -> list[str]:
+    return [f"block_size {v.block_size}, mamba_block_size {v.mamba_block_size} (mamba_cache_mode "
+            f"{_runtime(trace).mamba_cache_mode}), state page padded to {v.state_page_padded}"]  # fmt: skip
 
-    choice = reference.choose_block_size(scenario=scenario)
-    steps.append(Step("block choice", "vllm/platforms/interface.py::Platform.update_block_size_for_backend", [
-        f"block_size {choice.block_size}, mamba_block_size {choice.mamba_block_size} "
-        f"(mamba_cache_mode {rt.mamba_cache_mode}), state page padded to {choice.state_page_padded}",
-    ]))  # fmt: skip
 
-    specs = reference.layer_specs(scenario=scenario)
-    counts = Counter(specs.values())
-    steps.append(Step(
-        "per-layer specs",
-        "vllm/model_executor/layers/attention/attention.py::Attention.get_kv_cache_spec, "
-        "vllm/model_executor/layers/mamba/abstract.py::MambaBase.get_kv_cache_spec",
-        [f"{n} layer{'s' if n > 1 else ''} x {describe_spec(s)}" for s, n in counts.items()],
-    ))  # fmt: skip
+def _specs(v: dict[str, KVCacheSpec], trace: PlanTrace) -> list[str]:
+    return [f"{n} layer{'s' if n > 1 else ''} x {describe_spec(s)}" for s, n in Counter(v.values()).items()]
 
-    policy = reference.policy_for(scenario)
-    mirrors = {"pad-to-max": f"{planning}::unify_kv_cache_spec_page_size",
-               "scale-only": "vllm/v1/core/kv_cache_utils.py::unify_kv_cache_spec_page_size (before #45181)",
-               "lcm": "vllm#40128 (proposal, unmerged)"}.get(policy, policy)  # fmt: skip
-    before = sorted({s.page_size_bytes for s in specs.values()})
-    try:
-        unified = reference.unify_page_sizes(specs, scenario=scenario)
-        after = sorted({(s.kind, s.block_size, s.page_size_bytes) for s in unified.values()})
-        line = f"policy {policy}: pages {before} -> " + ", ".join(
-            f"{k} block {b}: {p} B" for k, b, p in after
-        )
-    except (ValueError, NotImplementedError, AssertionError) as exc:
-        line = f"policy {policy}: pages {before}: cannot unify ({type(exc).__name__}: {exc})"
-    steps.append(Step("unification", mirrors, [line]))
 
-    groups = reference.kv_cache_groups(specs, scenario=scenario)
-    kinds = Counter((g.kind, g.block_size, g.page_size_bytes, len(g.layer_names)) for g in groups)
-    per_block = max(g.bytes_per_block for g in groups)
-    steps.append(Step("groups", f"{planning}::get_kv_cache_groups", [
+def _unified(v: dict[str, KVCacheSpec] | None, trace: PlanTrace) -> list[str]:
+    policy = trace.plan.unify_policy if trace.plan is not None else _runtime(trace).unify_policy
+    specs = trace.step("layer specs")
+    before = sorted({s.page_size_bytes for s in specs.value.values()}) if specs is not None else []
+    if v is None:
+        return [f"policy {policy}: pages {before}: cannot unify"]
+    after = sorted({(s.kind, s.block_size, s.page_size_bytes) for s in v.values()})
+    return [f"policy {policy}: pages {before} -> " + ", ".join(f"{k} block {b}: {p} B" for k, b, p in after)]
+
+
+def _groups(v: list[KVCacheGroup], trace: PlanTrace) -> list[str]:
+    kinds = Counter((g.kind, g.block_size, g.page_size_bytes, len(g.layer_names)) for g in v)
+    return [
         *(f"{n} group{'s' if n > 1 else ''} {k}: block {b}, page {p} B, {m} layers"
           for (k, b, p, m), n in kinds.items()),
-        f"bytes per block = largest group's pages: {per_block} B",
-        "blocks per request: " + " + ".join(str(g.blocks_per_request) for g in groups)
-        + f" = {sum(g.blocks_per_request for g in groups)}",
-    ]))  # fmt: skip
+        f"bytes per block = largest group's pages: {max(g.bytes_per_block for g in v)} B",
+        "blocks per request: " + " + ".join(str(g.blocks_per_request) for g in v)
+        + f" = {sum(g.blocks_per_request for g in v)}",
+    ]  # fmt: skip
 
-    memory = reference.check_memory(specs, scenario=scenario)
+
+def _memory(v: MemoryCheck, trace: PlanTrace) -> list[str]:
+    rt = _runtime(trace)
     given = (f"num_gpu_blocks_override {rt.num_gpu_blocks_override}" if rt.num_gpu_blocks_override
-             else f"{rt.kv_cache_memory_bytes} B // {memory.bytes_per_block} B")  # fmt: skip
-    steps.append(Step("pool", f"{planning}::get_kv_cache_configs, "
-                      "vllm/v1/core/kv_cache_utils.py::get_max_concurrency_for_kv_cache_config", [
-        f"num_blocks = {given} = {memory.num_blocks} (block 0 is the null block)",
-        f"max concurrency {memory.max_concurrency:.2f} requests of {rt.max_model_len} tokens",
-    ]))  # fmt: skip
-    steps.append(Step("admission", f"{planning}::_check_enough_kv_cache_memory, "
-                      "_estimate_max_model_len_from_groups", [
-        f"needed {memory.needed_bytes} B for one {rt.max_model_len}-token request, "
-        f"available {memory.available_bytes} B",
-        f"admission: {memory.admission}",
-        f"largest max_model_len that fits: {memory.max_model_len_estimate}",
-    ]))  # fmt: skip
-
-    block = min([g.block_size for g in groups if g.kind != "mamba"] or [g.block_size for g in groups])
-    if not scenario.is_spec_level:
-        one = reference.one_sequence_bytes(choice.block_size, choice.state_page_padded, scenario=scenario)
-        steps.append(Step("one-sequence estimate",
-                          "vllm-metal v1/cache_policy.py::estimate_one_sequence_kv_bytes",
-                          [f"{one_sequence_tokens(rt.max_model_len, block)} tokens "
-                           f"(cdiv({rt.max_model_len}, {block}) x {block}): {one} B"]))  # fmt: skip
-    try:
-        kernel = reference.kernel_block_size(block)
-        line = f"logical block {block} -> kernel block {kernel} ({block // kernel} kernel blocks per block)"
-    except (ValueError, NotImplementedError, AssertionError) as exc:
-        line = f"logical block {block}: no kernel block ({type(exc).__name__}: {exc})"
-    steps.append(Step("kernel block", "vllm-metal attention/impls/sdpa.py::_pick_kernel_block_size", [line]))
-    return steps
+             else f"{rt.kv_cache_memory_bytes} B // {v.bytes_per_block} B")  # fmt: skip
+    return [
+        f"num_blocks = {given} = {v.num_blocks} (block 0 is the null block)",
+        f"max concurrency {v.max_concurrency:.2f} requests of {rt.max_model_len} tokens",
+        f"needed {v.needed_bytes} B for one {rt.max_model_len}-token request, "
+        f"available {v.available_bytes} B",
+        f"admission: {v.admission}",
+        f"largest max_model_len that fits: {v.max_model_len_estimate}",
+    ]
 
 
-def format_steps(steps: list[Step]) -> str:
+def _one_sequence(v: int, trace: PlanTrace) -> list[str]:
+    assert trace.plan is not None
+    tokens, block = trace.plan.one_sequence_tokens, trace.plan.block_size
+    return [f"{tokens} tokens (cdiv({_runtime(trace).max_model_len}, {block}) x {block}): {v} B"]
+
+
+def _kernel(v: int, trace: PlanTrace) -> list[str]:
+    assert trace.plan is not None
+    block = trace.plan.block_size
+    if not v:
+        return [f"logical block {block}: no kernel block (rejected)"]
+    return [f"logical block {block} -> kernel block {v} ({block // v} kernel blocks per block)"]
+
+
+def _allocation(v: PoolAllocation | None, trace: PlanTrace) -> list[str]:
+    if v is None:
+        return ["rejected"]
+    return [f"one block: {v.bytes_per_block} B per block, {v.bytes_held} B held"]
+
+
+def _runtime(trace: PlanTrace) -> RuntimeSettings:
+    configured = trace.step("platform config")
+    scenario = configured.value if configured is not None else trace.scenario
+    assert scenario is not None
+    return scenario.runtime  # type: ignore[no-any-return]
+
+
+#: step title -> the lines that explain its value
+FORMATS: dict[str, Callable[[Any, PlanTrace], list[str]]] = {
+    "platform config": _platform,
+    "hybrid alignment": _alignment,
+    "block choice": _choice,
+    "layer specs": _specs,
+    "attention page": lambda v, trace: [f"{v} B per token per layer (first attention spec, block 1)"],
+    "state page": lambda v, trace: [f"{v} B per state layer, unpadded"],
+    "unification": _unified,
+    "groups": _groups,
+    "available memory": lambda v, trace: [f"{v} B for the KV cache"],
+    "pool and admission": _memory,
+    "one-sequence estimate": _one_sequence,
+    "kernel block": _kernel,
+    "allocation": _allocation,
+}
+
+
+def format_trace(trace: PlanTrace, provenance: bool = False) -> str:
+    """The trace step by step: title, the function it mirrors, its numbers (and who answered)."""
     out = []
-    for i, step in enumerate(steps, 1):
-        out.append(f"{i}. {step.title}  [{step.mirrors}]")
-        out += [f"     {line}" for line in step.lines]
+    for i, step in enumerate(trace.steps, 1):
+        who = f"  ({_who(step)})" if provenance else ""
+        out.append(f"{i}. {step.title}  [{step.mirrors}]{who}")
+        out += [f"     {line}" for line in FORMATS[step.title](step.value, trace)]
     return "\n".join(out)
+
+
+def _who(step: Step) -> str:
+    names = {"backend": "the backend's own code", "inherited": "inherited: the reference's code ran for it",
+             "reference": "the reference: the backend declined"}  # fmt: skip
+    return names[step.answered_by] + (f", {step.reason}" if step.reason else "")
+
+
+def step_difference(reference: Step, backend: Step) -> tuple[str, Any, Any] | None:
+    """The first field where ``backend``'s answer to a step departs from ``reference``'s."""
+    if reference.method in ("layer_specs", "unify_page_sizes") and not (
+        reference.rejected or backend.rejected
+    ):
+        if reference.value is None or backend.value is None:
+            return first_difference(reference.value, backend.value)
+        return first_layer_difference(reference.value, backend.value)
+    return first_difference(comparable(reference), comparable(backend))
+
+
+def compare_traces(reference: PlanTrace, backend: PlanTrace) -> tuple[list[str], int | None]:
+    """One line per step of ``backend``'s trace: who answered and whether it agrees with the
+    reference's step; the number of the first departing step (None when none departs)."""
+    theirs = {s.title: s for s in backend.steps}
+    lines, first = [], None
+    width = max(len(s.title) for s in reference.steps)
+    for i, ours in enumerate(reference.steps, 1):
+        step = theirs.get(ours.title)
+        if step is None:
+            lines.append(f"{i:>2}. {ours.title:<{width}}  not asked")
+            continue
+        diff = step_difference(ours, step)
+        verdict = (
+            "agrees" if diff is None else f"DEPARTS: {diff[0]}: reference {diff[1]!r}, backend {diff[2]!r}"
+        )
+        if diff is not None and first is None:
+            first = i
+        lines.append(f"{i:>2}. {ours.title:<{width}}  {_who(step)}: {verdict}")
+    return lines, first
 
 
 # ----------------------------------------------------------------------------- SVG
 
 
-def block_svg(reference: Any, scenario: Scenario) -> str:
-    """One block of the pool of a hybrid scenario, as SVG text: its page slots (one per layer of a
-    group, each tensor shared by one layer of every group), then one attention page and one state
-    page drawn to scale, with the state page's padding. Raises ``ValueError`` for a scenario
-    without both kinds of page."""
-    specs = reference.layer_specs(scenario=scenario)
-    groups = reference.kv_cache_groups(specs, scenario=scenario)
+def block_svg(trace: PlanTrace) -> str:
+    """One block of the pool of a hybrid scenario's trace, as SVG text: its page slots (one per
+    layer of a group, each tensor shared by one layer of every group), then one attention page and
+    one state page drawn to scale, with the state page's padding. Raises ``ValueError`` for a
+    scenario without both kinds of page."""
+    scenario = trace.scenario
+    assert scenario is not None
+    specs, groups = _value(trace, "layer specs"), _value(trace, "groups")
     attention = next((s for s in specs.values() if isinstance(s, AttentionSpec)), None)
     state = next((s for s in specs.values() if isinstance(s, MambaSpec)), None)
     if attention is None or state is None:
         raise ValueError(
             f"{scenario.name}: not a hybrid attention + state model: no padded state page to draw"
         )
-    unified = reference.unify_page_sizes(specs, scenario=scenario)
+    unified = _value(trace, "unification") or specs
     attention = unified.get(next(n for n, s in specs.items() if s is attention), attention)
     state = unified.get(next(n for n, s in specs.items() if s is state), state)
     page = max(attention.page_size_bytes, state.page_size_bytes)
@@ -236,3 +259,8 @@ def block_svg(reference: Any, scenario: Scenario) -> str:
     body = "\n  ".join(parts)
     return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="200" '
             f'viewBox="0 0 {width} 200">\n  {body}\n</svg>\n')  # fmt: skip
+
+
+def _value(trace: PlanTrace, title: str) -> Any:
+    step = trace.step(title)
+    return step.value if step is not None else None

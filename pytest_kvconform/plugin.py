@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
-import tempfile
-from collections import Counter, defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
+
+from .session import ENV_BACKEND, KVConformSession, resolve, session_key
 
 # The shipped suites compare through these helpers: rewrite their asserts, so that a failing
 # golden shows syrupy's diff and a failing comparison its values.
@@ -25,7 +24,6 @@ pytest.register_assert_rewrite("pytest_kvconform.regressions", "pytest_kvconform
 if TYPE_CHECKING:
     from .scenario import Scenario
 
-ENV_BACKEND = "KVCONFORM_BACKEND"
 MARKERS = {
     "kvconform_rule": "kvconform_rule(name): the rule family a conformance test checks",
     "kvconform_scenario": "kvconform_scenario(*names): restrict kv_scenario to these scenarios",
@@ -37,73 +35,15 @@ MARKERS = {
 FIXTURES = frozenset({"kv_backend", "kv_reference", "kv_scenario", "metal_runtime"})
 
 
-class KVConformSession:
-    """Per-session state, kept in ``config.stash`` under :data:`session_key` and registered as a
-    plugin for the report hooks."""
+class _SessionHooks:
+    """The hooks that feed :class:`~pytest_kvconform.session.KVConformSession` (registered as a
+    plugin next to it)."""
 
-    def __init__(self, config: pytest.Config) -> None:
-        self.backend_name, self.backend_origin = _selected_backend(config)
-        self.backend_options_raw: list[str] = [
-            *config.getini("kvconform_backend_options"),
-            *config.getoption("kvconform_backend_option"),
-        ]
-        self._backend: Any = None
-        #: why the selected backend cannot run here (its runtime is not installed): its tests skip
-        self.unavailable: str | None = None
-        self._release: tuple[Any, str] | None = None
-        self.release_option = config.getoption("kvconform_vllm") or config.getini("kvconform_vllm")
-        self._inherited: dict[str, bool] = {}
-        self._scenarios: list[Scenario] | None = None
-        self.matrix: dict[str, Counter[str]] = defaultdict(Counter)
-        #: rule family -> rule reached -> generated inputs compared that reached it
-        self.exercised: dict[str, Counter[str]] = defaultdict(Counter)
-        #: one record per conformance test: test (nodeid), rule, scenario, outcome, message and the
-        #: first difference of a departure (field, reference, backend; else None)
-        self.records: list[dict[str, Any]] = []
-        self.strict = bool(config.getoption("kvconform_strict"))
-        self.strict_failure = ""
-        #: "family.method: reference (why)" -> plans in which the reference answered that step
-        self.reference_steps: Counter[str] = Counter()
-        self.xfails_path = config.getoption("kvconform_xfails")
-        self.xfails: dict[str, str] = {}
-        self.extra_scenario_paths = [Path(p) for p in config.getoption("kvconform_scenarios") or []]
-        self.max_examples: int | None = config.getoption("kvconform_max_examples")
-        #: whether any kvconform option, ini value or environment variable is set
-        self.configured = self.explicit or any(
-            config.getoption(name)
-            for name in ("kvconform_scenarios", "kvconform_max_examples", "kvconform_xfails",
-                         "kvconform_strict", "kvconform_vllm", "kvconform_report")
-        ) or bool(config.getini("kvconform_vllm"))  # fmt: skip
-        self._config = config
-        self._hypothesis_dir: Path | None = None
-        self._hypothesis_tmp = False
+    def __init__(self, session: KVConformSession) -> None:
+        self.session = session
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        """Count outcomes per rule family (under xdist, from the workers' replayed reports)."""
-        properties = dict(report.user_properties)
-        if report.when == "call":
-            for step in properties.get("kvconform_reference_steps", ()):
-                self.reference_steps[str(step)] += 1
-        rule = properties.get("kvconform_rule")
-        if rule is None:
-            return
-        if report.when == "call" or (report.when == "setup" and not report.passed):
-            if hasattr(report, "wasxfail"):
-                outcome = "xfailed" if report.skipped else "failed"  # an XPASS(strict) fails
-            else:
-                outcome = report.outcome
-            if outcome == "passed" and properties.get("kvconform_inherited"):
-                outcome = "inherited"  # the backend answered with the reference's own code
-            self.matrix[str(rule)][outcome] += 1
-            self.matrix[str(rule)]["generated"] += int(properties.get("kvconform_generated", 0))
-            self.matrix[str(rule)]["discarded"] += int(properties.get("kvconform_discarded", 0))
-            if properties.get("kvconform_exercised"):
-                self.exercised[str(rule)].update(properties["kvconform_exercised"])
-            scenario = str(properties.get("kvconform_scenario", ""))
-            self.records.append({
-                "test": report.nodeid, "rule": str(rule), "scenario": scenario, "outcome": outcome,
-                "message": _outcome_message(report), "difference": properties.get("kvconform_difference"),
-            })  # fmt: skip
+        self.session.record(report, outcome_message(report))
 
     @pytest.hookimpl(wrapper=True)
     def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> Iterator[None]:
@@ -113,155 +53,9 @@ class KVConformSession:
             i for i in items if getattr(getattr(i, "function", None), "is_hypothesis_test", False)
         ]
         if hypothesis_items and all(i.get_closest_marker("kvconform_rule") for i in hypothesis_items):
-            with _hypothesis_home(self):
+            with _hypothesis_home(self.session):
                 return (yield)
         return (yield)
-
-    def inherited(self, rule: str) -> bool:
-        """Whether the backend answers ``rule`` with the reference's own code (it overrides none of
-        the family's methods; for ``plan``, none at all)."""
-        if rule not in self._inherited:
-            from .conformance import inherits_rule
-
-            self._inherited[rule] = inherits_rule(self.backend, rule)
-        return self._inherited[rule]
-
-    def report_document(self) -> dict[str, Any]:
-        """The ``--kvconform-report`` document (:func:`pytest_kvconform.report.report_document`)."""
-        from .backends.registry import parse_options
-        from .report import report_document
-
-        release, selected_by = self.release
-        return report_document(
-            self.backend, self.matrix, self.exercised, self.records,
-            options=parse_options(self.backend_options_raw),
-            reference={"vllm_release": release.release, "selected_by": selected_by},
-        )  # fmt: skip
-
-    def undeclared_inherited(self) -> list[str]:
-        """Families reported inherited that the backend does not declare in ``inherits``."""
-        declared = getattr(self.backend, "inherits", {})
-        return [rule for rule, counts in self.matrix.items() if counts["inherited"] and rule not in declared]
-
-    @property
-    def explicit(self) -> bool:
-        return self.backend_origin != "default" or bool(self.backend_options_raw)
-
-    @property
-    def backend(self) -> Any:
-        if self._backend is None:
-            from .backends.registry import BackendError, parse_options, resolve_backend
-
-            try:
-                self._backend = resolve_backend(self.backend_name, parse_options(self.backend_options_raw))
-            except BackendError as exc:
-                self.unavailable = _not_installed(exc)
-                if self.unavailable is None:
-                    raise pytest.UsageError(f"--kvconform-backend: {exc}") from None
-                raise
-            self.apply_release(self._backend)
-        return self._backend
-
-    @property
-    def release(self) -> tuple[Any, str]:
-        """The vLLM release whose rules the reference applies, and why (:func:`_selected_release`)."""
-        if self._release is None:
-            try:
-                self._release = _selected_release(self.release_option)
-            except ValueError as exc:
-                raise pytest.UsageError(f"--kvconform-vllm: {exc}") from None
-        return self._release
-
-    def apply_release(self, rules: Any) -> Any:
-        """Give ``rules`` (the reference, or a backend built on it) the selected release's rules."""
-        from .reference.rules import ReferenceRules
-
-        if isinstance(rules, ReferenceRules):
-            rules.release = self.release[0]
-        return rules
-
-    def hypothesis_dir(self) -> Path:
-        """Where kvconform's property tests keep hypothesis's files: pytest's cache dir, or a temp
-        dir (removed at the end) when the cacheprovider is off; never the working directory."""
-        if self._hypothesis_dir is None:
-            cache = getattr(self._config, "cache", None)
-            if cache is not None:
-                self._hypothesis_dir = cache.mkdir("kvconform-hypothesis")
-            else:
-                self._hypothesis_dir = Path(tempfile.mkdtemp(prefix="kvconform-hypothesis-"))
-                self._hypothesis_tmp = True
-        return self._hypothesis_dir
-
-    def cleanup(self) -> None:
-        if self._hypothesis_tmp and self._hypothesis_dir is not None:
-            shutil.rmtree(self._hypothesis_dir, ignore_errors=True)
-
-    def scenarios(self) -> list[Scenario]:
-        """Packaged scenarios plus every ``*.toml`` under ``--kvconform-scenarios`` (loaded once).
-
-        A malformed file is a usage error naming the file and the key.
-        """
-        if self._scenarios is None:
-            from .scenario import ScenarioError, load_scenario, packaged_scenario_names
-
-            try:
-                found = [load_scenario(n) for n in packaged_scenario_names()]
-                for path in self.extra_scenario_paths:
-                    files = sorted(path.glob("*.toml")) if path.is_dir() else [path]
-                    found.extend(load_scenario(f) for f in files)
-            except ScenarioError as exc:
-                raise pytest.UsageError(f"kvconform: bad scenario: {exc}") from None
-            self._scenarios = found
-        return self._scenarios
-
-
-session_key = pytest.StashKey[KVConformSession]()
-
-
-def _not_installed(exc: BaseException) -> str | None:
-    """The reason when a backend failed to start because its runtime is not installed (vLLM on
-    macOS), else None: that backend's tests skip instead of the run erroring."""
-    cause = exc.__cause__
-    if type(cause).__name__ == "VllmUnavailableError" and str(cause).startswith("vLLM is not installed"):
-        return str(cause)
-    return None
-
-
-def _resolve(session: KVConformSession) -> None:
-    """Resolve the backend now: a bad name is a usage error before collection; a backend whose
-    runtime is not installed is recorded in ``session.unavailable``."""
-    from .backends.registry import BackendError
-
-    with contextlib.suppress(BackendError):
-        session.backend  # noqa: B018
-
-
-def _selected_release(option: str) -> tuple[Any, str]:
-    """``--kvconform-vllm`` (ini ``kvconform_vllm``), else the installed vLLM's release (a newer
-    one than the newest rule set gets the newest), else the newest rule set."""
-    from .backends.vllm.runtime import installed_vllm_version, is_vllm_installed
-    from .reference.releases import LATEST, rule_set
-
-    if option:
-        return rule_set(option), "--kvconform-vllm"
-    if not is_vllm_installed():
-        return LATEST, "newest; vLLM is not installed"
-    version = installed_vllm_version()
-    return rule_set(version, newer_is_latest=True), f"installed vLLM {version}"
-
-
-def _selected_backend(config: pytest.Config) -> tuple[str, str]:
-    """``--kvconform-backend``, then ini ``kvconform_backend``, then ``$KVCONFORM_BACKEND``."""
-    option = config.getoption("kvconform_backend")
-    if option:
-        return option, "option"
-    ini = config.getini("kvconform_backend")
-    if ini:
-        return ini, "ini"
-    env = os.environ.get(ENV_BACKEND)
-    if env:
-        return env, "env"
-    return "reference", "default"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -332,9 +126,9 @@ def pytest_configure(config: pytest.Config) -> None:
         config.addinivalue_line("markers", line)
     session = KVConformSession(config)
     config.stash[session_key] = session
-    config.pluginmanager.register(session, "kvconform-session")
+    config.pluginmanager.register(_SessionHooks(session), "kvconform-session")
     if session.explicit:
-        _resolve(session)
+        resolve(session)
     if session.release_option:
         session.release  # noqa: B018 - a bad release is a usage error before collection
     if session.extra_scenario_paths:
@@ -469,7 +263,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     session = _session(config)
     benchmark_only = bool(config.getoption("benchmark_only", default=False))
     if session.explicit:
-        _resolve(session)
+        resolve(session)
     for item in ours:
         if item.get_closest_marker("kvconform_benchmark") is not None and not benchmark_only:
             item.add_marker(pytest.mark.skip(reason="kvconform benchmarks run only with --benchmark-only"))
@@ -510,16 +304,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_runtest_call(item: pytest.Item) -> Any:
     if item.get_closest_marker("kvconform_rule") is None:
         return (yield)
-    from . import conformance
+    from .provenance import ledger
 
-    for counter in (conformance.DISCARDED, conformance.COMPARED, conformance.EXERCISED):
-        counter.clear()
-    try:
-        with _hypothesis_settings(item, _session(item.config)):
-            return (yield)
-    finally:
-        compared, discarded = sum(conformance.COMPARED.values()), sum(conformance.DISCARDED.values())
-        item.stash[_generated_key] = (compared, discarded, dict(conformance.EXERCISED))
+    with ledger() as led, _hypothesis_settings(item, _session(item.config)):
+        item.stash[_ledger_key] = led
+        return (yield)
 
 
 @contextlib.contextmanager
@@ -572,8 +361,8 @@ def _hypothesis_home(session: KVConformSession) -> Iterator[None]:
         configuration.set_hypothesis_home_dir(previous)
 
 
-#: (generated inputs compared, discarded, rule -> compared inputs reaching it) of a property test
-_generated_key = pytest.StashKey[tuple[int, int, dict[str, int]]]()
+#: what the running kvconform test saw of the backend (its answers, its generated inputs)
+_ledger_key = pytest.StashKey[Any]()
 
 
 @pytest.hookimpl(wrapper=True)
@@ -583,8 +372,20 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     session = _session(item.config)
     if rule is not None and rule.args and session.unavailable is None:
         report.user_properties.append(("kvconform_rule", rule.args[0]))
-        if session.inherited(rule.args[0]):
-            report.user_properties.append(("kvconform_inherited", True))
+        led = item.stash.get(_ledger_key, None)
+        if call.when == "call" and led is not None:
+            # JSON-serialisable, as everything here: user properties cross xdist
+            report.user_properties.append(("kvconform_answers", led.counts()))
+            if led.outcome_of_pass() == "inherited":
+                report.user_properties.append(("kvconform_inherited", True))
+            if led.declined_steps():
+                report.user_properties.append(("kvconform_reference_steps", led.declined_steps()))
+            discarded = sum(led.discarded.values())
+            if led.compared or discarded:
+                report.user_properties.extend([
+                    ("kvconform_generated", led.compared), ("kvconform_discarded", discarded),
+                    ("kvconform_exercised", dict(led.exercised)),
+                ])  # fmt: skip
         params = getattr(getattr(item, "callspec", None), "params", {})
         if "kv_scenario" in params:
             report.user_properties.append(("kvconform_scenario", _scenario_id(params["kv_scenario"])))
@@ -593,16 +394,10 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 
             if isinstance(call.excinfo.value, Departure):  # JSON-serialisable: it crosses xdist
                 report.user_properties.append(("kvconform_difference", call.excinfo.value.to_dict()))
-        generated, discarded, exercised = item.stash.get(_generated_key, (0, 0, {}))
-        if call.when == "call" and (generated or discarded):
-            report.user_properties.extend([
-                ("kvconform_generated", generated), ("kvconform_discarded", discarded),
-                ("kvconform_exercised", exercised),
-            ])  # fmt: skip
     return report
 
 
-def _outcome_message(report: pytest.TestReport) -> str:
+def outcome_message(report: pytest.TestReport) -> str:
     """One line saying why: the failure's message, the skip or xfail reason ("" when passed)."""
     if hasattr(report, "wasxfail"):
         return str(report.wasxfail)
@@ -629,17 +424,25 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     session = _session(config)
     if not session.matrix or hasattr(config, "workerinput"):
         return
-    from .report import format_matrix, write_report
+    from .report import format_answers, format_matrix, write_report
 
     terminalreporter.section(f"kvconform: backend {session.backend.name} vs reference")
     for line in format_matrix(session.matrix):
         terminalreporter.write_line(line)
+    answers = format_answers(session.answers)
+    if answers:
+        terminalreporter.write_line("the backend's answers, by whose code gave them:")
+        for line in answers:
+            terminalreporter.write_line("  " + line)
     declared = getattr(session.backend, "inherits", {})
     for rule in [r for r, counts in session.matrix.items() if counts["inherited"]]:
         why = (
             f"declared: {declared[rule]}" if rule in declared else "not declared in the backend's `inherits`"
         )
-        terminalreporter.write_line(f"inherited {rule}: the backend runs the reference's code ({why})")
+        terminalreporter.write_line(
+            f"inherited {rule}: every answer in {session.matrix[rule]['inherited']} passing tests came from "
+            f"the reference's code ({why})"
+        )
     if session.exercised:
         from .report import format_exercised
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from .conformance import call_rule, departure
-from .reference.plan import reference_rules
+from .reference.rules import reference_rules
 from .scenario import Scenario, load_scenario
 
 REGRESSION_SCENARIOS = Path(__file__).parent / "scenarios" / "regressions"

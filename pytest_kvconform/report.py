@@ -48,6 +48,29 @@ def format_exercised(exercised: Mapping[str, Counter[str]]) -> list[str]:
 SCHEMA = "kvconform-report/1"
 
 
+#: who gave a backend's answers (:mod:`pytest_kvconform.provenance`), as the report names them
+ANSWERED_BY = {"backend": "own", "inherited": "inherited", "reference": "declined"}
+
+
+def answers_of(records: Iterable[Mapping[str, Any]]) -> dict[str, Counter[str]]:
+    """Rule family -> who answered -> backend answers, from result records."""
+    answers: dict[str, Counter[str]] = defaultdict(Counter)
+    for record in records:
+        answers[str(record["rule"])].update(record.get("answers") or {})
+    return answers
+
+
+def format_answers(answers: Mapping[str, Counter[str]]) -> list[str]:
+    """One line per rule family: the backend's answers compared, by who gave them: its own code,
+    the reference's code running for it (inherited), the reference because it declined."""
+    rows = [(rule, counts) for rule, counts in answers.items() if sum(counts.values())]
+    if not rows:
+        return []
+    width = max(len(rule) for rule, _ in rows)
+    return [f"{rule:<{width}}  " + ", ".join(f"{counts[k]} {v}" for k, v in ANSWERED_BY.items())
+            for rule, counts in rows]  # fmt: skip
+
+
 def matrix_of(records: Iterable[Mapping[str, Any]]) -> dict[str, Counter[str]]:
     """Rule family -> outcome -> tests, from result records (``kvconform check``)."""
     matrix: dict[str, Counter[str]] = defaultdict(Counter)
@@ -77,6 +100,10 @@ def report_document(
         "rules": {rule: dict(zip(OUTCOMES, counts, strict=True)) for rule, counts in rows},
         "totals": {o: sum(c[i] for _, c in rows) for i, o in enumerate(OUTCOMES)},
         "generated_reached": {family: dict(counts) for family, counts in (exercised or {}).items()},
+        "answers": {
+            rule: {v: counts[k] for k, v in ANSWERED_BY.items()}
+            for rule, counts in answers_of(records).items()
+        },
         "results": [
             {
                 "test": str(r.get("test", "")),
@@ -85,6 +112,7 @@ def report_document(
                 "outcome": str(r["outcome"]),
                 "message": str(r.get("message", "")),
                 "difference": dict(r["difference"]) if r.get("difference") else None,
+                "answers": {v: int((r.get("answers") or {}).get(k, 0)) for k, v in ANSWERED_BY.items()},
             }
             for r in records
         ],

@@ -19,7 +19,6 @@ from pytest_kvconform.backends.base import RULE_FAMILIES, ReferenceBackend
 from pytest_kvconform.errors import RuleError, RuleNotApplicable
 from pytest_kvconform.model import BlockChoice
 from pytest_kvconform.reference import plan as reference_plan
-from pytest_kvconform.reference.plan import PlanTrace, compose_plan
 from pytest_kvconform.reference.specs import MambaSpec
 from pytest_kvconform.regressions import REGRESSION_SCENARIOS
 from pytest_kvconform.scenario import Scenario, load_scenario
@@ -62,6 +61,14 @@ OVERRIDES: dict[str, tuple[str, Callable[..., Any], str]] = {
         "block_size",
     ),
     "state_shapes": (GRANITE, _more_conv_rows, "state_bytes_per_layer"),
+    # a platform hook that halves the budget; a worker whose probe reports half of it
+    "check_and_update_config": (
+        GRANITE, lambda self, scenario: scenario.with_runtime(
+            kv_cache_memory_bytes=scenario.runtime.kv_cache_memory_bytes // 2), "num_blocks",
+    ),
+    "determine_available_memory": (
+        GRANITE, lambda self, scenario: scenario.runtime.kv_cache_memory_bytes // 2, "num_blocks"
+    ),
     "state_page_bytes": (
         GRANITE, lambda self, spec, scenario: spec.page_size_bytes + 1, "state_bytes_per_layer"
     ),
@@ -121,8 +128,9 @@ def test_a_declined_step_takes_the_reference_answer_and_is_traced() -> None:
         def kernel_block_size(self, block_size: int, scenario: Any = None) -> int:
             raise RuleNotApplicable("this model never takes the paged kernel path")
 
-    scenario, trace = load_scenario(GRANITE), PlanTrace()
-    assert compose_plan(Declines(), scenario, trace) == reference_plan(scenario)
+    scenario = load_scenario(GRANITE)
+    trace = Declines().trace(scenario)
+    assert trace.plan == reference_plan(scenario)
     [declined] = trace.by("reference")
     assert (declined.family, declined.method) == ("kernel_block", "kernel_block_size")
     assert declined.reason == "not applicable: this model never takes the paged kernel path"
@@ -137,8 +145,9 @@ def test_not_provided_rule_is_answered_by_the_reference() -> None:
         def one_sequence_bytes(self, block_size: int, padded: Any, scenario: Any) -> int:
             raise AssertionError("must not be called")
 
-    scenario, trace = load_scenario(GRANITE), PlanTrace()
-    assert compose_plan(NoEstimate(), scenario, trace) == reference_plan(scenario)
+    scenario = load_scenario(GRANITE)
+    trace = NoEstimate().trace(scenario)
+    assert trace.plan == reference_plan(scenario)
     assert [str(s) for s in trace.by("reference")] == [
         "one_sequence.one_sequence_bytes: reference (not provided: no such rule on this hardware)"
     ]

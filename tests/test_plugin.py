@@ -304,7 +304,8 @@ def test_an_empty_backend_is_inherited_not_passed(backends: pytest.Pytester) -> 
     assert rules["plan"]["inherited"] > 0 and rules["plan"]["passed"] == 0
     result.stdout.fnmatch_lines([
         "rule family*passed*inherited*failed*skipped*xfailed*discarded",
-        "inherited dtype: the backend runs the reference's code (not declared in the backend's `inherits`)",
+        "inherited dtype: every answer in * passing tests came from the reference's code "
+        "(not declared in the backend's `inherits`)",
     ])  # fmt: skip
 
 

@@ -27,7 +27,7 @@ def test_plugin_import_pulls_in_nothing_heavy() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout.split()
     assert [m for m in added if m.split(".")[0] in HEAVY or m.startswith(HEAVY)] == []
-    assert set(added) <= {"pytest_kvconform", "pytest_kvconform.plugin"}
+    assert set(added) <= {"pytest_kvconform", "pytest_kvconform.plugin", "pytest_kvconform.session"}
 
 
 def test_metal_runtime_fixture(pytester: pytest.Pytester) -> None:

@@ -14,6 +14,7 @@ skips when vLLM is absent.
 from __future__ import annotations
 
 import importlib.util
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -37,24 +38,13 @@ SCENARIO = (
 )
 
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-# The probe's numbers, derived here (KDA at TP 1, conv kernel 4; MambaStateShapeCalculator.kda_state_shape):
-MLA_LATENT = 512 + 64  # kv_lora_rank + qk_rope_head_dim: what the planner prices per token
-FP8_DS_MLA = 512 + 16 + 64 * 2  # fp8 latent + 4 fp32 scales + bf16 rope: what the layer stores
-KDA_STATE = 3 * (3 * 32 * 128) * 2 + 32 * 128 * 128 * 4  # conv (3, 12288) bf16 + (32, 128, 128) fp32
-MLA_FLOOR = 128  # _align_hybrid_block_size: k = max(k, 128) for MLA hybrids
-
-
-def planner_block(a1: int) -> int:
-    """``attn_bs = k * cdiv(mamba, k * a1)`` with the MLA floor (kernel alignment 16 divides 128)."""
-    return MLA_FLOOR * cdiv(KDA_STATE, MLA_FLOOR * a1)
-
-
-BLOCK_576 = planner_block(MLA_LATENT)  # what vLLM picks
-BLOCK_656 = planner_block(FP8_DS_MLA)  # what the 656 B/token layer needs
+# The probe's numbers, derived here (KDA at TP 1, conv kernel 4; MambaStateShapeCalculator.kda_state_shape),
+# with _align_hybrid_block_size's ``attn_bs = k * cdiv(mamba, k * a1)`` and the MLA floor k = 128:
+MLA_LATENT = 576  # kv_lora_rank + qk_rope_head_dim = 512 + 64: what the planner prices per token
+FP8_DS_MLA = 656  # 512 fp8 latent + 16 (4 fp32 scales) + 64 x 2 bf16 rope: what the layer stores
+KDA_STATE = 2_170_880  # conv (3, 3 x 32 x 128) bf16 = 73,728 + recurrent (32, 128, 128) fp32 = 2,097,152
+BLOCK_576 = 3840  # 128 * cdiv(2,170,880, 128 * 576) = 128 * 30: what vLLM picks
+BLOCK_656 = 3328  # 128 * cdiv(2,170,880, 128 * 656) = 128 * 26: what the 656 B/token layer needs
 
 
 @pytest.fixture(scope="module")
@@ -82,11 +72,6 @@ def probe() -> Scenario:
     return load_scenario(SCENARIO)
 
 
-def test_notes_numbers() -> None:
-    assert (MLA_LATENT, FP8_DS_MLA, KDA_STATE) == (576, 656, 2_170_880)
-    assert (BLOCK_576, BLOCK_656) == (3840, 3328)
-
-
 def test_probe_is_built_as_kimi_linear(va: Any, probe: Scenario) -> None:
     config = va.configs.hf_config_dict(probe)
     assert (config["architectures"], config["model_type"]) == (["KimiLinearForCausalLM"], "kimi_linear")
@@ -99,12 +84,12 @@ def test_vllm_hybrid_block_prices_fp8_ds_mla_at_576(va: Any, probe: Scenario) ->
     got = va.align_hybrid_block_size(probe)
     assert got.attn_page_bytes_per_token == MLA_LATENT
     assert got.state_page_bytes == KDA_STATE
-    assert got.block_size == BLOCK_576 == 3840
-    assert got.state_page_padded_bytes == got.page_size_bytes == BLOCK_576 * MLA_LATENT == 2_211_840
+    assert got.block_size == BLOCK_576
+    assert got.state_page_padded_bytes == got.page_size_bytes == BLOCK_576 * MLA_LATENT  # 2,211,840
     reference = hybrid_alignment(probe)
     assert reference is not None
     assert (reference.attn_page_bytes_per_token, reference.block_size) == (FP8_DS_MLA, BLOCK_656)
-    assert reference.page_size_bytes == BLOCK_656 * FP8_DS_MLA == 2_183_168
+    assert reference.page_size_bytes == BLOCK_656 * FP8_DS_MLA  # 2,183,168
     assert got.block_size != reference.block_size
 
 
@@ -128,16 +113,41 @@ def test_layer_prices_656_while_planner_prices_576(va: Any, probe: Scenario) -> 
 
 def test_unify_repads_the_state_at_vllms_block(va: Any, probe: Scenario) -> None:
     """At block 3840 the real MLA page (3840 x 656) exceeds the padded KDA page (3840 x 576), so
-    ``unify_kv_cache_spec_page_size`` re-pads the state: +16.04 % instead of +0.57 %."""
+    ``unify_kv_cache_spec_page_size`` re-pads the state: +16.04 % ((2,519,040 - 2,170,880) /
+    2,170,880) instead of the +0.57 % of block 3328 (2,183,168 B)."""
     specs = layer_specs(probe, va.align_hybrid_block_size(probe))
     assert {x.page_size_bytes for x in specs.values()} == {BLOCK_576 * FP8_DS_MLA, BLOCK_576 * MLA_LATENT}
     out = va.planning.unify_page_sizes(specs)
-    assert {x.page_size_bytes for x in out.values() if isinstance(x, MambaSpec)} == {2_519_040}
+    state = [x for x in out.values() if isinstance(x, MambaSpec)]
+    assert {x.page_size_bytes for x in state} == {2_519_040}
     assert {(x.block_size, x.page_size_bytes) for x in out.values() if isinstance(x, AttentionSpec)} == {
         (BLOCK_576, 2_519_040)
     }
-    assert f"{100 * (2_519_040 - KDA_STATE) / KDA_STATE:.2f}" == "16.04"
-    assert f"{100 * (BLOCK_656 * FP8_DS_MLA - KDA_STATE) / KDA_STATE:.2f}" == "0.57"
+    assert {f"{100 * (x.page_size_bytes / x.real_page_size_bytes - 1):.2f}" for x in state} == {"16.04"}
+
+
+def test_the_repadding_assertion_catches_a_lost_state(
+    va: Any, probe: Scenario, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The +16.04 % is read from the unified specs (it was literal arithmetic once): a unification
+    that grows the state tensor to the page, instead of padding it, fails it."""
+    import dataclasses
+
+    unify = va.planning.unify_page_sizes
+
+    def grows_the_state(specs: dict[str, Any], *args: Any, **kwargs: Any) -> dict[str, Any]:
+        out = unify(specs, *args, **kwargs)
+
+        def grown(v: MambaSpec) -> MambaSpec:
+            return dataclasses.replace(
+                v, shapes=((v.page_size_bytes,),), dtypes=("uint8",), page_size_padded=None
+            )
+
+        return {k: grown(v) if isinstance(v, MambaSpec) and v.page_size_padded else v for k, v in out.items()}
+
+    monkeypatch.setattr(va.planning, "unify_page_sizes", grows_the_state)
+    with pytest.raises(AssertionError, match=re.escape("{'0.00'} == {'16.04'}")):
+        test_unify_repads_the_state_at_vllms_block(va, probe)
 
 
 def test_vllm_plan_departs_only_through_the_block(probe: Scenario) -> None:
@@ -149,10 +159,9 @@ def test_vllm_plan_departs_only_through_the_block(probe: Scenario) -> None:
     from pytest_kvconform.backends.base import ReferenceBackend
     from pytest_kvconform.backends.vllm import VllmBackend
     from pytest_kvconform.reference.hybrid import block_choice
-    from pytest_kvconform.reference.plan import PlanTrace, compose_plan
 
-    trace = PlanTrace()
-    assert compose_plan(VllmBackend(), probe, trace) == ReferenceBackend().plan(probe)
+    trace = VllmBackend().trace(probe)
+    assert trace.plan == ReferenceBackend().plan(probe)
     declined = {s.method: s.reason for s in trace.by("reference")}
     assert {"choose_block_size", "layer_specs"} <= set(declined)
     assert "cutlass" in declined["layer_specs"]
@@ -169,17 +178,19 @@ def test_vllm_plan_departs_only_through_the_block(probe: Scenario) -> None:
     assert got.attn_bytes_per_token_per_layer == expected.attn_bytes_per_token_per_layer == FP8_DS_MLA
 
 
-@pytest.mark.parametrize(("kv_cache_dtype", "a1"), [("auto", 1152), ("fp8", 576)])
-def test_unpacked_mla_formats_agree(va: Any, probe: Scenario, kv_cache_dtype: str, a1: int) -> None:
+@pytest.mark.parametrize(("kv_cache_dtype", "a1", "block"), [("auto", 1152, 1920), ("fp8", 576, BLOCK_576)])
+def test_unpacked_mla_formats_agree(
+    va: Any, probe: Scenario, kv_cache_dtype: str, a1: int, block: int
+) -> None:
     """Control: without a packed format vLLM and the reference agree.
 
-    bf16: 128 * cdiv(2,170,880, 128 * 1152) = 1920.
+    bf16: 128 * cdiv(2,170,880, 128 * 1152) = 128 * 15 = 1920; fp8: 576 B/token, 3840.
     """
     s = probe.with_runtime(kv_cache_dtype=kv_cache_dtype)
     got, expected = va.align_hybrid_block_size(s), hybrid_alignment(s)
     assert expected is not None
     assert got == expected
-    assert (got.attn_page_bytes_per_token, got.block_size) == (a1, planner_block(a1))
+    assert (got.attn_page_bytes_per_token, got.block_size) == (a1, block)
 
 
 def test_known_failures_cover_the_probe() -> None:

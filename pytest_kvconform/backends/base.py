@@ -26,12 +26,12 @@ RULE_FAMILIES: dict[str, tuple[str, ...]] = {
     "max_memory": ("max_memory_usage_bytes",),
     "unification": ("unify_page_sizes",),
     "grouping": ("kv_cache_groups",),
-    "memory": ("check_memory", "estimate_max_model_len"),
+    "memory": ("determine_available_memory", "check_memory", "estimate_max_model_len"),
     "one_sequence": ("one_sequence_bytes",),
     "kernel_block": ("kernel_block_size", "build_block_tables"),
     "allocation": ("allocate_kv_cache", "check_kv_cache_config"),
     "plan": ("plan",),
-    "platform": ("engine", "rerun_hooks"),
+    "platform": ("check_and_update_config", "engine", "rerun_hooks"),
 }
 #: method name -> its rule family
 METHOD_FAMILY: dict[str, str] = {m: family for family, methods in RULE_FAMILIES.items() for m in methods}
@@ -58,6 +58,8 @@ class ReferenceBackend(ReferenceRules):
     """
 
     name: ClassVar[str] = "reference"
+    #: this very class answers as the reference (a subclass does not: see ``provenance.is_oracle``)
+    _kvconform_oracle: ClassVar[bool] = True
     #: Features beyond sizing arithmetic, for ``kvconform_requires``: "allocation",
     #: "paged_attention", "vllm_platform" (a vLLM Platform whose hooks the platform suite checks).
     capabilities: ClassVar[frozenset[str]] = frozenset()

@@ -10,7 +10,7 @@ One module per rule family, each function citing the vLLM source it mirrors. Sta
 library only, so any backend can be checked against it without importing vLLM.
 """
 
-from .plan import plan
+from .rules import plan
 
 #: The vLLM release whose rules the reference mirrors.
 VLLM_TARGET = "0.33.0"

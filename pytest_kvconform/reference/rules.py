@@ -16,6 +16,7 @@ Standard library only.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import ClassVar
 
@@ -25,6 +26,7 @@ from . import dtypes, hybrid, memory, metal
 from .grouping import get_kv_cache_groups
 from .layers import layer_specs
 from .mamba import Shapes, state_shapes
+from .plan import PlanTrace, compose_plan
 from .releases import LATEST, RuleSet
 from .specs import AttentionSpec, KVCacheSpec, MambaSpec, cdiv
 from .speculative import with_retained_tokens
@@ -48,6 +50,9 @@ class ReferenceRules:
     #: The page-unification policy followed; None: the scenario's ``unify_policy``.
     unify_policy: ClassVar[str | None] = None
 
+    #: this very class answers as the reference (not a subclass: see ``provenance.is_oracle``)
+    _kvconform_oracle: ClassVar[bool] = True
+
     def policy_for(self, scenario: Scenario) -> str:
         return self.unify_policy or scenario.runtime.unify_policy
 
@@ -57,6 +62,12 @@ class ReferenceRules:
     ) -> int:
         registered = scenario.runtime.registered_kv_cache_dtypes if scenario is not None else ()
         return dtypes.kv_cache_dtype_bytes(kv_cache_dtype, model_dtype, registered)
+
+    # -- platform: the platform's config hook (vLLM core's neutral Platform changes nothing)
+    def check_and_update_config(self, scenario: Scenario) -> Scenario:
+        """``Platform.check_and_update_config`` (vllm/platforms/interface.py): the scenario as the
+        platform leaves the config; the neutral platform leaves it as given."""
+        return scenario
 
     # -- hybrid_alignment: Phase 2 of update_block_size_for_backend
     def align_hybrid_block_size(self, scenario: Scenario) -> HybridAlignment | None:
@@ -115,6 +126,11 @@ class ReferenceRules:
         return list(public)
 
     # -- memory
+    def determine_available_memory(self, scenario: Scenario) -> int:
+        """``Worker.determine_available_memory`` (vllm/v1/worker/gpu_worker.py): the bytes the
+        worker reports for the KV cache, here the scenario's budget."""
+        return scenario.runtime.kv_cache_memory_bytes
+
     def check_memory(self, specs: dict[str, KVCacheSpec], scenario: Scenario) -> MemoryCheck:
         return memory.check_memory(
             self._needed_bytes(specs, scenario), scenario.runtime,
@@ -156,9 +172,14 @@ class ReferenceRules:
 
     # -- plan: every rule above, composed through this object
     def plan(self, scenario: Scenario) -> KVPlan:
-        from .plan import compose_plan
+        return compose_plan(self, scenario, reference_rules(self.release))
 
-        return compose_plan(self, scenario)
+    def trace(self, scenario: Scenario) -> PlanTrace:
+        """The plan of ``scenario`` as a trace of the engine's steps (:mod:`.plan`), each with
+        its value, the function it mirrors and who answered."""
+        trace = PlanTrace()
+        compose_plan(self, scenario, reference_rules(self.release), trace)
+        return trace
 
     # -- allocation: the reference's arithmetic of a pool (a real backend allocates it)
     def allocate_kv_cache(self, plan: KVPlan, num_blocks: int, scenario: Scenario) -> PoolAllocation:
@@ -169,3 +190,16 @@ class ReferenceRules:
         ``ModelCachePolicy.initialize_kv_cache``); fewer blocks are accepted."""
         if num_blocks > allocation.num_blocks:
             raise ValueError(metal.oversized_config_error(num_blocks, allocation.num_blocks))
+
+
+@functools.cache
+def reference_rules(release: RuleSet | None = None) -> ReferenceRules:
+    """The reference's rules of ``release`` (default: the newest rule set)."""
+    rules = ReferenceRules()
+    rules.release = release or LATEST
+    return rules
+
+
+def plan(scenario: Scenario) -> KVPlan:
+    """The reference's plan of ``scenario`` (the newest rule set)."""
+    return reference_rules().plan(scenario=scenario)

@@ -16,7 +16,7 @@ import pytest
 
 from pytest_kvconform import checks
 from pytest_kvconform.conformance import assert_same, call_rule
-from pytest_kvconform.scenario import KV_CACHE_DTYPES, MODEL_DTYPES, Scenario
+from pytest_kvconform.scenario import KV_CACHE_DTYPES, MODEL_DTYPES
 
 
 @pytest.mark.kvconform_rule("dtype")
@@ -31,63 +31,14 @@ def test_kv_cache_dtype_bytes(
     assert_same("dtype", kv_backend, None, {key: expected}, {key: got})
 
 
-@pytest.mark.kvconform_rule("hybrid_alignment")
-def test_hybrid_alignment(kv_backend: Any, kv_reference: Any, kv_scenario: Scenario) -> None:
-    checks.hybrid_alignment(kv_backend, kv_reference, kv_scenario)
-
-
-@pytest.mark.kvconform_rule("block_size")
-def test_choose_block_size(kv_backend: Any, kv_reference: Any, kv_scenario: Scenario) -> None:
-    checks.choose_block_size(kv_backend, kv_reference, kv_scenario)
-
-
-@pytest.mark.kvconform_rule("state_page")
-def test_state_shapes_and_page(kv_backend: Any, kv_reference: Any, kv_scenario: Scenario) -> None:
-    checks.state_shapes_and_page(kv_backend, kv_reference, kv_scenario)
-
-
-@pytest.mark.kvconform_rule("layer_specs")
-def test_layer_specs(kv_backend: Any, kv_reference: Any, kv_scenario: Scenario) -> None:
-    """The backend's own per-layer specs (its ``get_kv_cache_spec``), layer by layer."""
-    checks.layer_specs(kv_backend, kv_reference, kv_scenario)
-
-
-@pytest.mark.kvconform_rule("attention_page")
-def test_attention_page_bytes(kv_backend: Any, kv_reference: Any, kv_scenario: Scenario) -> None:
-    checks.attention_page_bytes(kv_backend, kv_reference, kv_scenario)
-
-
-@pytest.mark.kvconform_rule("max_memory")
-def test_max_memory_usage_bytes(kv_backend: Any, kv_reference: Any, kv_scenario: Scenario) -> None:
-    checks.max_memory_usage_bytes(kv_backend, kv_reference, kv_scenario)
-
-
-@pytest.mark.kvconform_rule("unification")
-def test_unify_page_sizes(kv_backend: Any, kv_reference: Any, kv_scenario: Scenario) -> None:
-    checks.unify_page_sizes(kv_backend, kv_reference, kv_scenario)
-
-
-@pytest.mark.kvconform_rule("grouping")
-def test_kv_cache_groups(kv_backend: Any, kv_reference: Any, kv_scenario: Scenario) -> None:
-    checks.kv_cache_groups(kv_backend, kv_reference, kv_scenario)
-
-
-@pytest.mark.kvconform_rule("memory")
-def test_check_memory(kv_backend: Any, kv_reference: Any, kv_scenario: Scenario) -> None:
-    checks.check_memory(kv_backend, kv_reference, kv_scenario)
-
-
-@pytest.mark.kvconform_rule("memory")
-@pytest.mark.parametrize("fraction", checks.FRACTIONS)
-def test_estimate_max_model_len(
-    kv_backend: Any, kv_reference: Any, kv_scenario: Scenario, fraction: float
-) -> None:
-    checks.estimate_max_model_len(kv_backend, kv_reference, kv_scenario, fraction)
-
-
-@pytest.mark.kvconform_rule("one_sequence")
-def test_one_sequence_bytes(kv_backend: Any, kv_reference: Any, kv_scenario: Scenario) -> None:
-    checks.one_sequence_bytes(kv_backend, kv_reference, kv_scenario)
+# One test per per-scenario check of ``checks.CHECKS`` (the table ``kvconform check`` runs too):
+# test_hybrid_alignment, test_choose_block_size, test_state_shapes_and_page, test_layer_specs,
+# test_attention_page_bytes, test_max_memory_usage_bytes, test_unify_page_sizes,
+# test_kv_cache_groups, test_check_memory, test_estimate_max_model_len[scenario-fraction],
+# test_one_sequence_bytes, test_plan, test_expectations.
+for _check in checks.CHECKS:
+    globals()[_check.test] = checks.suite_test(_check)
+del _check
 
 
 #: Logical block sizes of the packaged hybrids' alignments and translations, plus a few small ones.
@@ -108,21 +59,6 @@ def test_build_block_tables(kv_backend: Any, kv_reference: Any, block_size: int)
     want_table, want_kernel = kv_reference.build_block_tables(rows, block_size)
     assert_same("kernel_block", kv_backend, None, {"kernel_block": want_kernel, "table": want_table},
                 {"kernel_block": kernel, "table": [list(map(int, r)) for r in table]})  # fmt: skip
-
-
-@pytest.mark.kvconform_rule("plan")
-def test_plan(kv_backend: Any, kv_reference: Any, kv_scenario: Scenario, record_property: Any) -> None:
-    """The backend's own composition: each step answered by its own rule, or the reference's
-    where it declines (those steps are recorded and reported)."""
-    checks.plan(kv_backend, kv_reference, kv_scenario, record_property)
-
-
-@pytest.mark.kvconform_rule("plan")
-def test_expectations(kv_backend: Any, kv_scenario: Scenario) -> None:
-    """The scenario file's own ``[expect]`` table (numbers its author derived) and the plan fields
-    of its ``[expect.external]`` (public observations) against the backend's plan, for packaged
-    scenarios and ``--kvconform-scenarios`` files alike."""
-    checks.expectations(kv_backend, kv_scenario)
 
 
 @pytest.mark.kvconform_rule("dtype")

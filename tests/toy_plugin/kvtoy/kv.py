@@ -9,10 +9,13 @@ from pytest_kvconform.reference.specs import AttentionSpec
 
 
 class ToyBackend(ReferenceBackend):
-    """Its model runner builds the specs; it has a pool; it never runs MLA through its kernel."""
+    """Its model runner builds the specs of dense GQA models; it has a pool; its kernel takes
+    vllm-metal's block split, but never for MLA models."""
 
     name = "toy"
     capabilities = frozenset({"allocation"})
+    #: deliberate delegation: reported as inherited (declared), never as passed
+    inherits = {"kernel_block": "the toy kernel takes vllm-metal's block split (super())"}
 
     def __init__(self, device: str = "cpu") -> None:
         self.device = device
@@ -21,7 +24,15 @@ class ToyBackend(ReferenceBackend):
         return [f"toy device: {self.device}"]
 
     def layer_specs(self, scenario):  # the plugin's get_kv_cache_spec
-        return super().layer_specs(scenario)
+        model, rt = scenario.model, scenario.runtime
+        attn = model.attention if model is not None else None
+        if attn is None or attn.kind != "gqa" or set(model.layers) != {"A"} or rt.kv_cache_dtype != "auto":
+            raise RuleNotApplicable("the toy runner builds dense GQA layers in the model dtype only")
+        block = self.choose_block_size(scenario).block_size
+        heads = max(1, attn.num_kv_heads // rt.tensor_parallel_size)  # KV heads replicated below TP
+        v = None if attn.head_dim_v in (None, attn.head_dim) else attn.head_dim_v
+        spec = AttentionSpec("full_attention", block, heads, attn.head_dim, model.dtype, head_size_v=v)
+        return {f"model.layers.{i}.self_attn": spec for i in range(len(model.layers))}
 
     def kernel_block_size(self, block_size, scenario=None):
         if scenario is not None and scenario.model is not None and scenario.model.use_mla:
@@ -50,7 +61,7 @@ class MlaBilledKV(ToyBackend):
             name: dataclasses.replace(spec, head_size_v=spec.head_size)
             if isinstance(spec, AttentionSpec) and spec.is_mla and spec.cache_role == "kv"
             else spec
-            for name, spec in super().layer_specs(scenario).items()
+            for name, spec in ReferenceBackend.layer_specs(self, scenario).items()
         }
 
 

@@ -1,0 +1,233 @@
+"""The state of one kvconform pytest session, and the selection of its backend and release.
+
+:class:`KVConformSession` (kept in ``config.stash`` under :data:`session_key`) holds what the
+hooks of :mod:`pytest_kvconform.plugin` collect: the backend under test, the vLLM release whose
+rules judge it, the scenarios, and the rule x outcome matrix. :func:`selected_release` is shared
+with ``kvconform`` (:mod:`pytest_kvconform.cli`). Standard library and pytest only at import.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+if TYPE_CHECKING:
+    from .scenario import Scenario
+
+ENV_BACKEND = "KVCONFORM_BACKEND"
+
+
+class KVConformSession:
+    """Per-session state, kept in ``config.stash`` under :data:`session_key`."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.backend_name, self.backend_origin = selected_backend(config)
+        self.backend_options_raw: list[str] = [
+            *config.getini("kvconform_backend_options"),
+            *config.getoption("kvconform_backend_option"),
+        ]
+        self._backend: Any = None
+        #: why the selected backend cannot run here (its runtime is not installed): its tests skip
+        self.unavailable: str | None = None
+        self._release: tuple[Any, str] | None = None
+        self.release_option = config.getoption("kvconform_vllm") or config.getini("kvconform_vllm")
+        self._scenarios: list[Scenario] | None = None
+        self.matrix: dict[str, Counter[str]] = defaultdict(Counter)
+        #: rule family -> who answered ("backend", "inherited", "reference") -> backend answers
+        self.answers: dict[str, Counter[str]] = defaultdict(Counter)
+        #: rule family -> rule reached -> generated inputs compared that reached it
+        self.exercised: dict[str, Counter[str]] = defaultdict(Counter)
+        #: one record per conformance test: test (nodeid), rule, scenario, outcome, message, the
+        #: first difference of a departure (field, reference, backend; else None) and the answers
+        self.records: list[dict[str, Any]] = []
+        self.strict = bool(config.getoption("kvconform_strict"))
+        self.strict_failure = ""
+        #: "family.method: reference (why)" -> plans in which the reference answered that step
+        self.reference_steps: Counter[str] = Counter()
+        self.xfails_path = config.getoption("kvconform_xfails")
+        self.xfails: dict[str, str] = {}
+        self.extra_scenario_paths = [Path(p) for p in config.getoption("kvconform_scenarios") or []]
+        self.max_examples: int | None = config.getoption("kvconform_max_examples")
+        #: whether any kvconform option, ini value or environment variable is set
+        self.configured = self.explicit or any(
+            config.getoption(name)
+            for name in ("kvconform_scenarios", "kvconform_max_examples", "kvconform_xfails",
+                         "kvconform_strict", "kvconform_vllm", "kvconform_report")
+        ) or bool(config.getini("kvconform_vllm"))  # fmt: skip
+        self._config = config
+        self._hypothesis_dir: Path | None = None
+        self._hypothesis_tmp = False
+
+    def record(self, report: pytest.TestReport, message: str) -> None:
+        """Count one test's outcome per rule family (under xdist, from the workers' replayed
+        reports); ``message`` says why (:func:`pytest_kvconform.plugin.outcome_message`)."""
+        properties = dict(report.user_properties)
+        if report.when == "call":
+            for step in properties.get("kvconform_reference_steps", ()):
+                self.reference_steps[str(step)] += 1
+        rule = properties.get("kvconform_rule")
+        if rule is None:
+            return
+        if report.when == "call" or (report.when == "setup" and not report.passed):
+            if hasattr(report, "wasxfail"):
+                outcome = "xfailed" if report.skipped else "failed"  # an XPASS(strict) fails
+            else:
+                outcome = report.outcome
+            if outcome == "passed" and properties.get("kvconform_inherited"):
+                outcome = "inherited"  # every answer compared was the reference's code
+            self.matrix[str(rule)][outcome] += 1
+            self.answers[str(rule)].update(properties.get("kvconform_answers", {}))
+            self.matrix[str(rule)]["generated"] += int(properties.get("kvconform_generated", 0))
+            self.matrix[str(rule)]["discarded"] += int(properties.get("kvconform_discarded", 0))
+            if properties.get("kvconform_exercised"):
+                self.exercised[str(rule)].update(properties["kvconform_exercised"])
+            scenario = str(properties.get("kvconform_scenario", ""))
+            self.records.append({
+                "test": report.nodeid, "rule": str(rule), "scenario": scenario, "outcome": outcome,
+                "message": message, "difference": properties.get("kvconform_difference"),
+                "answers": properties.get("kvconform_answers", {}),
+            })  # fmt: skip
+
+    def report_document(self) -> dict[str, Any]:
+        """The ``--kvconform-report`` document (:func:`pytest_kvconform.report.report_document`)."""
+        from .backends.registry import parse_options
+        from .report import report_document
+
+        release, selected_by = self.release
+        return report_document(
+            self.backend, self.matrix, self.exercised, self.records,
+            options=parse_options(self.backend_options_raw),
+            reference={"vllm_release": release.release, "selected_by": selected_by},
+        )  # fmt: skip
+
+    def undeclared_inherited(self) -> list[str]:
+        """Families reported inherited that the backend does not declare in ``inherits``."""
+        declared = getattr(self.backend, "inherits", {})
+        return [rule for rule, counts in self.matrix.items() if counts["inherited"] and rule not in declared]
+
+    @property
+    def explicit(self) -> bool:
+        return self.backend_origin != "default" or bool(self.backend_options_raw)
+
+    @property
+    def backend(self) -> Any:
+        if self._backend is None:
+            from .backends.registry import BackendError, parse_options, resolve_backend
+
+            try:
+                self._backend = resolve_backend(self.backend_name, parse_options(self.backend_options_raw))
+            except BackendError as exc:
+                self.unavailable = not_installed(exc)
+                if self.unavailable is None:
+                    raise pytest.UsageError(f"--kvconform-backend: {exc}") from None
+                raise
+            self.apply_release(self._backend)
+        return self._backend
+
+    @property
+    def release(self) -> tuple[Any, str]:
+        """The vLLM release whose rules the reference applies, and why (:func:`selected_release`)."""
+        if self._release is None:
+            try:
+                self._release = selected_release(self.release_option)
+            except ValueError as exc:
+                raise pytest.UsageError(f"--kvconform-vllm: {exc}") from None
+        return self._release
+
+    def apply_release(self, rules: Any) -> Any:
+        """Give ``rules`` (the reference, or a backend built on it) the selected release's rules."""
+        from .reference.rules import ReferenceRules
+
+        if isinstance(rules, ReferenceRules):
+            rules.release = self.release[0]
+        return rules
+
+    def hypothesis_dir(self) -> Path:
+        """Where kvconform's property tests keep hypothesis's files: pytest's cache dir, or a temp
+        dir (removed at the end) when the cacheprovider is off; never the working directory."""
+        if self._hypothesis_dir is None:
+            cache = getattr(self._config, "cache", None)
+            if cache is not None:
+                self._hypothesis_dir = cache.mkdir("kvconform-hypothesis")
+            else:
+                self._hypothesis_dir = Path(tempfile.mkdtemp(prefix="kvconform-hypothesis-"))
+                self._hypothesis_tmp = True
+        return self._hypothesis_dir
+
+    def cleanup(self) -> None:
+        if self._hypothesis_tmp and self._hypothesis_dir is not None:
+            shutil.rmtree(self._hypothesis_dir, ignore_errors=True)
+
+    def scenarios(self) -> list[Scenario]:
+        """Packaged scenarios plus every ``*.toml`` under ``--kvconform-scenarios`` (loaded once).
+
+        A malformed file is a usage error naming the file and the key.
+        """
+        if self._scenarios is None:
+            from .scenario import ScenarioError, load_scenario, packaged_scenario_names
+
+            try:
+                found = [load_scenario(n) for n in packaged_scenario_names()]
+                for path in self.extra_scenario_paths:
+                    files = sorted(path.glob("*.toml")) if path.is_dir() else [path]
+                    found.extend(load_scenario(f) for f in files)
+            except ScenarioError as exc:
+                raise pytest.UsageError(f"kvconform: bad scenario: {exc}") from None
+            self._scenarios = found
+        return self._scenarios
+
+
+session_key = pytest.StashKey[KVConformSession]()
+
+
+def not_installed(exc: BaseException) -> str | None:
+    """The reason when a backend failed to start because its runtime is not installed (vLLM on
+    macOS), else None: that backend's tests skip instead of the run erroring."""
+    cause = exc.__cause__
+    if type(cause).__name__ == "VllmUnavailableError" and str(cause).startswith("vLLM is not installed"):
+        return str(cause)
+    return None
+
+
+def resolve(session: KVConformSession) -> None:
+    """Resolve the backend now: a bad name is a usage error before collection; a backend whose
+    runtime is not installed is recorded in ``session.unavailable``."""
+    from .backends.registry import BackendError
+
+    with contextlib.suppress(BackendError):
+        session.backend  # noqa: B018
+
+
+def selected_release(option: str) -> tuple[Any, str]:
+    """``--kvconform-vllm`` (ini ``kvconform_vllm``), else the installed vLLM's release (a newer
+    one than the newest rule set gets the newest), else the newest rule set."""
+    from .backends.vllm.runtime import installed_vllm_version, is_vllm_installed
+    from .reference.releases import LATEST, rule_set
+
+    if option:
+        return rule_set(option), "--kvconform-vllm"
+    if not is_vllm_installed():
+        return LATEST, "newest; vLLM is not installed"
+    version = installed_vllm_version()
+    return rule_set(version, newer_is_latest=True), f"installed vLLM {version}"
+
+
+def selected_backend(config: pytest.Config) -> tuple[str, str]:
+    """``--kvconform-backend``, then ini ``kvconform_backend``, then ``$KVCONFORM_BACKEND``."""
+    option = config.getoption("kvconform_backend")
+    if option:
+        return option, "option"
+    ini = config.getini("kvconform_backend")
+    if ini:
+        return ini, "ini"
+    env = os.environ.get(ENV_BACKEND)
+    if env:
+        return env, "env"
+    return "reference", "default"
