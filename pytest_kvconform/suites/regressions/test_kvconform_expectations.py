@@ -1,0 +1,98 @@
+"""The regression scenarios' own ``[expect]`` tables: numbers derived independently of the reference.
+
+The goldens in ``__snapshots__/`` were written from the reference's plans, so for the reference
+they detect a change, not a wrong number. Each file of ``scenarios/regressions/`` therefore carries
+an ``[expect]`` table worked by hand from its bug report or PR, the upstream test and vLLM's
+formulas (``docs/scenario-derivations.md``, "Regression scenarios"), never from the reference.
+
+* ``test_expectations`` holds the selected backend's plan to those numbers.
+* ``test_golden_agrees_with_its_expect`` holds every golden of a case that loads its regression
+  file unchanged (``test_kvconform_reported.GOLDENS``, ``test_kvconform_history.GOLDENS``) to the
+  same numbers, read from the JSON directly: a golden re-recorded from a wrong reference fails
+  here even while the reference agrees with it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pytest_kvconform import checks
+from pytest_kvconform.regressions import REGRESSION_SCENARIOS
+from pytest_kvconform.scenario import Scenario, load_scenario
+from pytest_kvconform.suites.regressions.test_kvconform_history import GOLDENS as HISTORY_GOLDENS
+from pytest_kvconform.suites.regressions.test_kvconform_reported import GOLDENS as REPORTED_GOLDENS
+
+SNAPSHOTS = Path(__file__).parent / "__snapshots__"
+#: snapshot folder (the test module's name) -> its golden cases: id -> scenario loader
+SUITES = {"test_kvconform_reported": REPORTED_GOLDENS, "test_kvconform_history": HISTORY_GOLDENS}
+REGRESSION_FILES = sorted(REGRESSION_SCENARIOS.glob("*.toml"))
+
+
+def _regression_file(scenario: Scenario) -> Path | None:
+    """The regression file ``scenario`` is, unchanged; None for a packaged scenario or one whose
+    runtime a case changed (``Scenario.with_runtime`` also drops the ``[expect]`` table)."""
+    path = Path(scenario.source)
+    if path.suffix != ".toml" or path.resolve().parent != REGRESSION_SCENARIOS.resolve():
+        return None
+    return path if scenario == load_scenario(path) else None
+
+
+def unchanged_cases() -> list[tuple[str, str, Path]]:
+    """``(snapshot folder, case id, regression file)`` of every golden case that loads its
+    regression file unchanged."""
+    cases = []
+    for folder, goldens in SUITES.items():
+        for name, load in goldens.items():
+            path = _regression_file(load())
+            if path is not None:
+                cases.append((folder, name, path))
+    return cases
+
+
+UNCHANGED = unchanged_cases()
+
+
+def _matches(want: Any, got: Any) -> bool:
+    """Floats (percentages, concurrency) to 0.01, as ``checks.expectations`` compares them."""
+    if isinstance(want, float):
+        return isinstance(got, int | float) and abs(got - want) <= 0.01
+    return bool(got == want)
+
+
+@pytest.mark.kvconform_rule("plan")
+@pytest.mark.parametrize("path", REGRESSION_FILES, ids=[p.stem for p in REGRESSION_FILES])
+def test_expectations(kv_backend: Any, kv_reference: Any, path: Path) -> None:
+    """The backend's plan of the regression file against the file's ``[expect]`` table."""
+    checks.expectations(kv_backend, kv_reference, load_scenario(path))
+
+
+@pytest.mark.parametrize(
+    ("folder", "name", "path"), UNCHANGED, ids=[f"{folder}-{name}" for folder, name, _ in UNCHANGED]
+)
+def test_golden_agrees_with_its_expect(folder: str, name: str, path: Path) -> None:
+    """Every ``[expect]`` key of the file equals the golden's value (floats to 0.01)."""
+    golden_path = SNAPSHOTS / folder / f"test_plan_golden[{name}].json"
+    assert golden_path.is_file(), f"{golden_path}: no golden for case {name!r}"
+    golden = json.loads(golden_path.read_text(encoding="utf-8"))
+    expect = load_scenario(path).expect
+    wrong = [
+        f"{key}: [expect] {want!r}, golden {golden.get(key, '<missing>')!r}"
+        for key, want in expect.items()
+        if not _matches(want, golden.get(key))
+    ]
+    assert not wrong, f"{golden_path.name} disagrees with {path.name}'s [expect]: " + "; ".join(wrong)
+
+
+def test_every_regression_file_is_pinned() -> None:
+    """Each regression file has an ``[expect]`` table and a golden case that loads it unchanged,
+    so that no golden of a regression file escapes the comparison above."""
+    assert REGRESSION_FILES, f"no regression scenarios in {REGRESSION_SCENARIOS}"
+    no_expect = [p.name for p in REGRESSION_FILES if not load_scenario(p).expect]
+    used = {path.resolve() for _, _, path in UNCHANGED}
+    no_case = [p.name for p in REGRESSION_FILES if p.resolve() not in used]
+    assert not no_expect, f"regression files without an [expect] table: {', '.join(no_expect)}"
+    assert not no_case, f"regression files no golden case loads unchanged: {', '.join(no_case)}"
