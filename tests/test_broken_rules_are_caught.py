@@ -1,22 +1,29 @@
 """Each TP-, speculation-, window-, DCP- and dtype-dependent rule, broken in a backend, fails some
 packaged scenario's ``[expect]`` (numbers derived by hand in docs/scenario-derivations.md, not by
-the reference): the packaged scenarios reach every one of these rules."""
+the reference): the packaged scenarios reach every one of these rules.
+
+And the checks that used to hide a failure (issue 18) catch a broken backend now: the MLA case
+of the allocation suite's one-sequence pool check, and the plan benchmark's error handling.
+"""
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
 import pytest
 
-RULES_SUITE = str(
-    Path(__file__).resolve().parents[1] / "pytest_kvconform" / "suites" / "test_kvconform_rules.py"
-)
+SUITES = Path(__file__).resolve().parents[1] / "pytest_kvconform" / "suites"
+RULES_SUITE = str(SUITES / "test_kvconform_rules.py")
+ALLOCATION_SUITE = str(SUITES / "test_kvconform_allocation.py")
+PLAN_BENCH = str(SUITES / "benchmarks" / "test_kvconform_plan_bench.py")
 
 BROKEN = '''
 import dataclasses
 from unittest import mock
 
 from pytest_kvconform.backends.base import ReferenceBackend
+from pytest_kvconform.errors import RuleNotApplicable
 
 
 class Broken(ReferenceBackend):
@@ -66,6 +73,49 @@ class Fp8AsModelDtype(Broken):
     def changed(self, s):
         fp8 = s.runtime.kv_cache_dtype == "fp8"
         return s.with_runtime(kv_cache_dtype="auto") if fp8 else s
+
+
+class MlaRopeNotBilled(ReferenceBackend):
+    """The one-sequence estimate of an MLA model bills kv_lora_rank values per token, not the
+    kv_lora_rank + qk_rope_head_dim of the latent (512 of 576)."""
+    name = "mla-rope-not-billed"
+    def one_sequence_bytes(self, block_size, state_page_padded, scenario):
+        total = super().one_sequence_bytes(block_size, state_page_padded, scenario)
+        att = scenario.model.attention if scenario.model is not None else None
+        if att is None or att.kind != "mla":
+            return total
+        return total * att.kv_lora_rank // (att.kv_lora_rank + att.qk_rope_head_dim)
+
+
+class PlanTypeError(ReferenceBackend):
+    """A bug: plan() raises outside the exception contract."""
+    name = "plan-type-error"
+    def plan(self, scenario):
+        raise TypeError("unsupported operand type(s) for *: 'NoneType' and 'int'")
+
+
+class PlanRejects(ReferenceBackend):
+    """plan() rejects the scenario (ValueError) without declaring it a known failure."""
+    name = "plan-rejects"
+    def plan(self, scenario):
+        raise ValueError("cannot plan this model")
+
+
+class PlanRejectsDeclared(PlanRejects):
+    """The same rejection, declared for the scenario in known_failures."""
+    name = "plan-rejects-declared"
+    known_failures = {"plan::test_plan[granite-4.0-h-tiny]": "no Mamba2 pool on this device"}
+
+
+class PlanNotApplicable(ReferenceBackend):
+    name = "plan-not-applicable"
+    def plan(self, scenario):
+        raise RuleNotApplicable("no planner for hybrid models")
+
+
+class PlanNotProvided(ReferenceBackend):
+    name = "plan-not-provided"
+    not_provided = {"plan": "this backend only answers the memory rules"}
 '''
 
 
@@ -102,3 +152,82 @@ def test_a_broken_rule_fails_a_packaged_expectation(
         if line.startswith("FAILED") and "test_expectations[" in line
     }
     assert caught <= failed, result.stdout.str()[-2000:]
+
+
+def _outcomes(result: pytest.RunResult, test: str) -> dict[str, str]:
+    """``{parametrize id: PASSED/FAILED/SKIPPED/...}`` of ``test`` in a ``-rA`` run."""
+    out = {}
+    for line in result.stdout.lines:
+        word, _, rest = line.partition(" ")
+        if word in ("PASSED", "FAILED", "SKIPPED", "ERROR", "XFAIL") and f"{test}[" in rest:
+            out[rest.split("[", 1)[1].split("]", 1)[0]] = word
+    return out
+
+
+def test_an_mla_pool_that_cannot_hold_max_model_len_fails(pytester: pytest.Pytester) -> None:
+    """The MLA case of ``test_one_sequence_pool_holds_max_model_len`` used to return early and be
+    counted passed: an MLA estimate 64/576 short (GLM-4.7-Flash: 47 layers, L 131,072, block 64)
+    now fails it, while the GQA scenario next to it still passes."""
+    pytest.importorskip("mlx.core")
+    pytester.makepyfile(broken=BROKEN)
+    pytester.syspathinsert()
+    result = pytester.runpytest(
+        ALLOCATION_SUITE, "--kvconform-backend=broken:MlaRopeNotBilled", "-rA", "-p", "no:cacheprovider",
+        "-k", "pool_holds_max_model_len and (glm-4.7-flash-bf16 or qwen2.5-3b-instruct-tp4)",
+    )  # fmt: skip
+    outcomes = _outcomes(result, "test_one_sequence_pool_holds_max_model_len")
+    assert outcomes == {"glm-4.7-flash-bf16": "FAILED", "qwen2.5-3b-instruct-tp4": "PASSED"}, (
+        result.stdout.str()
+    )
+    result.stdout.fnmatch_lines(["*B buy * blocks of 64 tokens: * < 131072 tokens*"])
+
+
+def test_mla_latents_are_really_read_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The MLA check itself: a latent pool of 16 blocks of 64 for 1000 tokens reads back through the
+    block table; a slot mapping that ignores the block table (token i to slot i) does not."""
+    mx = pytest.importorskip("mlx.core")
+    from pytest_kvconform.scenario import load_scenario
+    from pytest_kvconform.suites.test_kvconform_allocation import _latents_read_back
+
+    s = load_scenario("glm-4.7-flash-bf16").with_runtime(max_model_len=1000)
+    assert s.model is not None and s.model.attention is not None and s.model.attention.kind == "mla"
+    _latents_read_back(s, 16, 64)
+    # the module the check imports from (pytester runs may have replaced the package's attribute)
+    metal_runtime = importlib.import_module("pytest_kvconform.metal_runtime")
+    write = metal_runtime.reshape_and_cache
+
+    def ignores_the_table(key, value, key_cache, value_cache, slots):
+        return write(key, value, key_cache, value_cache, mx.arange(slots.shape[0]))
+
+    monkeypatch.setattr(metal_runtime, "reshape_and_cache", ignores_the_table)
+    with pytest.raises(AssertionError, match="do not read back through the block table"):
+        _latents_read_back(s, 16, 64)
+
+
+@pytest.mark.parametrize(
+    ("backend", "outcome", "shown"),
+    [
+        ("PlanTypeError", "FAILED", "*TypeError: unsupported operand type*"),
+        ("PlanRejects", "FAILED", "*ValueError: cannot plan this model*"),
+        (
+            "PlanRejectsDeclared",
+            "SKIPPED",
+            "*rejects granite-4.0-h-tiny (ValueError), a known failure: no Mamba2*",
+        ),
+        ("PlanNotApplicable", "SKIPPED", "*cannot plan granite-4.0-h-tiny: no planner for hybrid models*"),
+        ("PlanNotProvided", "SKIPPED", "*does not provide rule 'plan': this backend only answers*"),
+    ],
+)
+def test_the_plan_benchmark_skips_only_declared_failures(
+    pytester: pytest.Pytester, backend: str, outcome: str, shown: str
+) -> None:
+    """The plan benchmark used to turn any exception of ``plan()`` into a skip."""
+    pytester.makepyfile(broken=BROKEN)
+    pytester.syspathinsert()
+    result = pytester.runpytest(
+        PLAN_BENCH, f"--kvconform-backend=broken:{backend}", "--benchmark-only", "-rA",
+        "-p", "no:cacheprovider", "-k", "granite-4.0-h-tiny and not tp4",
+    )  # fmt: skip
+    ran = {k: v for k, v in result.parseoutcomes().items() if k in ("passed", "failed", "skipped", "errors")}
+    assert ran == {outcome.lower(): 1}, result.stdout.str()
+    result.stdout.fnmatch_lines([shown])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import re
 from typing import Any
 
 import pytest
@@ -22,10 +23,17 @@ from pytest_kvconform.reference import plan
 from pytest_kvconform.reference.grouping import get_kv_cache_groups
 from pytest_kvconform.reference.hybrid import hybrid_alignment
 from pytest_kvconform.reference.layers import layer_specs
-from pytest_kvconform.reference.memory import available_kv_bytes, check_memory, needed_bytes
+from pytest_kvconform.reference.memory import check_memory, estimate_max_model_len
+from pytest_kvconform.reference.releases import RELEASES, rule_set
 from pytest_kvconform.reference.specs import AttentionSpec, MambaSpec
 from pytest_kvconform.reference.unify import SCALE_ONLY_ERROR, pad_to_max_error, unify_page_sizes
-from pytest_kvconform.scenario import KV_CACHE_DTYPES, SPEC_DTYPES, Scenario, scenario_from_dict
+from pytest_kvconform.scenario import (
+    KV_CACHE_DTYPES,
+    SPEC_DTYPES,
+    RuntimeSettings,
+    Scenario,
+    scenario_from_dict,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 PROPERTY_SETTINGS = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -320,35 +328,51 @@ def test_aligned_attention_page_covers_state_minimally(d):
 
 
 # --------------------------------------------------------------------------- the pool
+# The budget, the null block and the need are derived here from vLLM's code, not taken from
+# reference/memory.py (whose check_memory these properties test).
 
 
-@PROPERTY_SETTINGS
-@given(scenario_dicts)
-def test_num_blocks_fit_the_budget(d):
-    s = load(d)
-    groups = groups_or_reject(s)
-    mem = check_memory(groups, s.runtime)
-    budget = available_kv_bytes(groups, s.runtime)
-    assert mem.num_blocks * mem.bytes_per_block <= budget
-    assert (mem.num_blocks + 1) * mem.bytes_per_block > budget
-    assert mem.available_bytes == budget - mem.bytes_per_block  # the null block (get_kv_cache_configs)
-    if s.runtime.num_gpu_blocks_override is not None:
-        assert mem.num_blocks == s.runtime.num_gpu_blocks_override
+def null_block_reserved(release: str) -> bool:
+    """vllm#47272 / vllm#48724, first in vLLM 0.29: block 0 is the null block (BlockPool), so the
+    admission check and the estimate see ``available - bytes_per_block``; before, all of it."""
+    major, minor = map(int, release.split("."))
+    return (major, minor) >= (0, 29)
 
 
-@PROPERTY_SETTINGS
-@given(scenario_dicts)
-def test_estimate_is_the_longest_length_that_fits(d):
-    s = load(d)
-    groups = groups_or_reject(s)
-    rt = s.runtime
-    mem = check_memory(groups, rt)
-    est = mem.max_model_len_estimate
-    check = mem.available_bytes
+def pool_budget(groups, rt: RuntimeSettings) -> tuple[int, int]:
+    """(bytes one block id costs, the pool's budget). vLLM 0.33.0 _get_kv_cache_bytes_per_block
+    (layer-outer layout): a group's block holds one page per layer, the largest group sets it;
+    get_kv_cache_configs: the budget is kv_cache_memory_bytes, or num_gpu_blocks_override blocks."""
+    bpb = max(sum(spec.page_size_bytes for spec in g.specs) for g in groups)
+    override = rt.num_gpu_blocks_override
+    return bpb, override * bpb if override is not None else rt.kv_cache_memory_bytes
+
+
+def admission_bytes(groups, rt: RuntimeSettings, null_block: bool = True) -> int:
+    """What _check_enough_kv_cache_memory compares the need with."""
+    bpb, budget = pool_budget(groups, rt)
+    return budget - bpb if null_block else budget
+
+
+def assert_blocks_fit_the_budget(groups, rt: RuntimeSettings, mem, null_block: bool = True) -> None:
+    bpb, budget = pool_budget(groups, rt)
+    assert mem.bytes_per_block == bpb
+    assert mem.num_blocks == budget // bpb  # get_kv_cache_configs: the null block is one of them
+    assert mem.available_bytes == admission_bytes(groups, rt, null_block)
+    if rt.num_gpu_blocks_override is not None:
+        assert mem.num_blocks == rt.num_gpu_blocks_override
+
+
+def assert_estimate_is_the_longest_length_that_fits(groups, rt: RuntimeSettings, mem) -> None:
+    est, check = mem.max_model_len_estimate, admission_bytes(groups, rt)
+    bpb, _ = pool_budget(groups, rt)
 
     def needed(length: int) -> int:
-        return needed_bytes(groups, dataclasses.replace(rt, max_model_len=length))
+        """_max_memory_usage_bytes_from_groups: bytes per block id x the blocks of every group."""
+        at = dataclasses.replace(rt, max_model_len=length)
+        return bpb * sum(g.blocks_per_request(at) for g in groups)
 
+    assert mem.needed_bytes == needed(rt.max_model_len)
     assert 0 <= est <= rt.max_model_len
     if est > 0:
         assert needed(est) <= check
@@ -356,9 +380,94 @@ def test_estimate_is_the_longest_length_that_fits(d):
         assert check <= 0 or needed(1) > check
     if est < rt.max_model_len:
         assert needed(est + 1) > check
-    assert (mem.admission == "ok") == (check > 0 and mem.needed_bytes <= check)
+    assert (mem.admission == "ok") == (check > 0 and needed(rt.max_model_len) <= check)
     if mem.admission == "ok":
         assert est == rt.max_model_len
+
+
+@PROPERTY_SETTINGS
+@given(scenario_dicts, st.sampled_from(RELEASES))
+def test_num_blocks_fit_the_budget(d, release):
+    s = load(d)
+    groups = groups_or_reject(s)
+    reserved = rule_set(release).has("null_block_reserved")
+    assert reserved == null_block_reserved(release)
+    mem = check_memory(groups, s.runtime, reserve_null_block=reserved)
+    assert_blocks_fit_the_budget(groups, s.runtime, mem, null_block=null_block_reserved(release))
+
+
+@PROPERTY_SETTINGS
+@given(scenario_dicts)
+def test_estimate_is_the_longest_length_that_fits(d):
+    s = load(d)
+    groups = groups_or_reject(s)
+    assert_estimate_is_the_longest_length_that_fits(groups, s.runtime, check_memory(groups, s.runtime))
+
+
+def llama_1gib(**runtime: Any) -> tuple[list, RuntimeSettings]:
+    """32 layers x 8 KV heads x 128, bf16, L 8192, 1 GiB: 2 MiB per block id, 512 blocks, the need
+    is exactly 1 GiB, so the null block decides admission (estimate 8176 = 511 blocks x 16)."""
+    s = scenario_from_dict({
+        "schema": "kv-scenario/1", "name": "llama-like",
+        "model": {"architecture": "LlamaForCausalLM", "dtype": "bfloat16", "num_hidden_layers": 32,
+                  "layers": "A" * 32, "attention": {"kind": "gqa", "num_kv_heads": 8, "head_dim": 128}},
+        "runtime": {"max_model_len": 8192, "kv_cache_memory_bytes": 1 << 30, **runtime},
+    }, "<llama-like>")  # fmt: skip
+    return groups_or_reject(s), s.runtime
+
+
+def test_the_pool_properties_hold_on_the_worked_example():
+    groups, rt = llama_1gib()
+    mem = check_memory(groups, rt)
+    assert (mem.bytes_per_block, mem.num_blocks, mem.max_model_len_estimate) == (2 << 20, 512, 8176)
+    assert_blocks_fit_the_budget(groups, rt, mem)
+    assert_estimate_is_the_longest_length_that_fits(groups, rt, mem)
+
+
+@pytest.mark.parametrize(
+    ("runtime", "wrong"),
+    [
+        # the pool seen whole: no null block (vLLM before 0.29), 2 MiB too much to admit
+        ({}, lambda groups, rt: check_memory(groups, rt, reserve_null_block=False)),
+        # --num-gpu-blocks-override 100 ignored (vllm-metal#527): 512 blocks from memory
+        ({"num_gpu_blocks_override": 100},
+         lambda groups, rt: check_memory(groups, dataclasses.replace(rt, num_gpu_blocks_override=None))),
+    ],
+    ids=["no-null-block", "override-ignored"],
+)  # fmt: skip
+def test_the_budget_property_catches_a_wrong_budget(runtime, wrong):
+    groups, rt = llama_1gib(**runtime)
+    with pytest.raises(AssertionError):
+        assert_blocks_fit_the_budget(groups, rt, wrong(groups, rt))
+
+
+def test_the_budget_property_catches_a_wrong_available_kv_bytes(monkeypatch):
+    """The budget used to come from ``available_kv_bytes``, which ``check_memory`` itself calls: a
+    wrong one (the override ignored) passed. Derived independently, it is caught."""
+    from pytest_kvconform.reference import memory
+
+    groups, rt = llama_1gib(num_gpu_blocks_override=100)
+    monkeypatch.setattr(memory, "available_kv_bytes", lambda groups, rt: rt.kv_cache_memory_bytes)
+    with pytest.raises(AssertionError):
+        assert_blocks_fit_the_budget(groups, rt, memory.check_memory(groups, rt))
+
+
+@pytest.mark.parametrize(
+    "wrong",
+    [
+        # the estimate over the whole pool (vllm-metal#513): 8192, which does not fit 1 GiB - 2 MiB
+        lambda groups, rt: check_memory(
+            groups, rt, lambda available: estimate_max_model_len(groups, rt, available + (2 << 20))
+        ),
+        # the null block left out of the check: admission and estimate read the wrong bytes
+        lambda groups, rt: check_memory(groups, rt, reserve_null_block=False),
+    ],
+    ids=["estimate-over-the-whole-pool", "no-null-block"],
+)
+def test_the_estimate_property_catches_a_wrong_estimate(wrong):
+    groups, rt = llama_1gib()
+    with pytest.raises(AssertionError):
+        assert_estimate_is_the_longest_length_that_fits(groups, rt, wrong(groups, rt))
 
 
 @PROPERTY_SETTINGS
@@ -381,14 +490,62 @@ def test_plan_is_deterministic(d):
     )
 
 
-@pytest.mark.parametrize("rule", strategies.EXERCISABLE_RULES)
-def test_the_strategies_reach_every_tp_speculation_window_and_block_rule(rule: str) -> None:
-    """Generated scenarios reach each rule family the packaged suite counts (the summary's
-    "generated inputs compared, per rule they reach"); ``find`` fails if none of its examples does."""
+#: Each rule :func:`strategies.exercised_rules` reports, as the raw scenario tables spell it (written
+#: here from the rule's meaning, not from exercised_rules).
+SPELLED = {
+    "tensor parallel (TP > 1)": lambda m, rt: rt["tensor_parallel_size"] > 1,
+    "replicated KV heads (KV heads < TP)": lambda m, rt: (
+        m["attention"]["kind"] == "gqa" and m["attention"]["num_kv_heads"] < rt["tensor_parallel_size"]
+    ),
+    "Mamba2 extra groups (n_groups % TP != 0)": lambda m, rt: (
+        m.get("state", {}).get("kind") == "mamba2"
+        and m["state"]["n_groups"] % rt["tensor_parallel_size"] != 0
+    ),
+    "speculative tokens": lambda m, rt: rt["num_speculative_tokens"] > 0,
+    "MTP drafter": lambda m, rt: (
+        rt["num_speculative_tokens"] > 0 and m.get("num_nextn_predict_layers", 0) > 0
+    ),
+    "sliding window": lambda m, rt: "S" in m["layers"] and m["attention"].get("sliding_window", 0) > 0,
+    "decode context parallel": lambda m, rt: rt.get("decode_context_parallel_size", 1) > 1,
+    "--block-size given": lambda m, rt: "block_size" in rt,
+    "hybrid state pages": lambda m, rt: "state" in m and "M" in m["layers"] and "A" in m["layers"],
+    "MLA": lambda m, rt: m["attention"]["kind"] == "mla",
+    "quantized KV cache": lambda m, rt: rt["kv_cache_dtype"] != "auto",
+}
+
+
+def reached(rule: str, exercised=strategies.exercised_rules) -> dict[str, Any]:
+    """An example of the strategy that ``exercised`` says reaches ``rule``; ``find`` fails if none
+    of 2000 does. The example must really spell the rule (:data:`SPELLED`) and load."""
     from hypothesis import find
 
     def reaches(data: dict[str, Any]) -> bool:
-        return rule in strategies.exercised_rules(scenario_from_dict(data, "<hypothesis>"))
+        return rule in exercised(scenario_from_dict(data, "<hypothesis>"))
 
     found = find(strategies.scenario_dicts(), reaches, settings=settings(max_examples=2000, database=None))
-    assert reaches(found)
+    assert SPELLED[rule](found["model"], found["runtime"]), f"{rule}: not in {found}"
+    return found
+
+
+def test_every_exercisable_rule_is_spelled():
+    assert set(SPELLED) == set(strategies.EXERCISABLE_RULES)
+
+
+@pytest.mark.parametrize("rule", strategies.EXERCISABLE_RULES)
+def test_the_strategies_reach_every_tp_speculation_window_and_block_rule(rule: str) -> None:
+    """Generated scenarios reach each rule family the packaged suite counts (the summary's
+    "generated inputs compared, per rule they reach")."""
+    reached(rule)
+
+
+@pytest.mark.parametrize("rule", strategies.EXERCISABLE_RULES)
+def test_reaching_a_rule_is_checked_on_the_example(rule: str) -> None:
+    """A wrong ``exercised_rules`` (it reports exactly the rules a scenario does not reach): the
+    example ``find`` returns does not spell the rule, and the check says so."""
+
+    def inverted(scenario: Scenario) -> tuple[str, ...]:
+        real = strategies.exercised_rules(scenario)
+        return tuple(r for r in strategies.EXERCISABLE_RULES if r not in real)
+
+    with pytest.raises(AssertionError, match=f"^{re.escape(rule)}: not in"):
+        reached(rule, exercised=inverted)

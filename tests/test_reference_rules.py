@@ -13,7 +13,11 @@ The "regressions" section at the end pins defects this suite found in the refere
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import re
+import sys
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -648,8 +652,9 @@ def test_mla_target_pads_smaller_swa_draft():
     swa = AttentionSpec("sliding_window", 64, 2, 128, "bfloat16", sliding_window=4096)
     out = unify_page_sizes({"mla": mla, "draft": swa})
     assert (mla.page_size_bytes, swa.page_size_bytes) == (73_728, 65_536)
-    assert (out["draft"].block_size, out["draft"].page_size_padded) == (64, 73_728)
-    assert f"{100 * (73_728 - 65_536) / 73_728:.1f}" == "11.1"
+    draft = out["draft"]  # (73,728 - 65,536) / 73,728 of its page is padding
+    assert f"{100 * (1 - draft.real_page_size_bytes / draft.page_size_bytes):.1f}" == "11.1"
+    assert (draft.block_size, draft.page_size_padded) == (64, 73_728)
 
 
 def test_mla_not_dividing_raises_vllm_033_text():
@@ -699,7 +704,8 @@ def test_lcm_policy_turboquant_probe():
     out = unify_page_sizes({"attn": attn, "state": state}, "lcm")
     assert (out["attn"].block_size, out["attn"].page_size_padded) == (16_300, None)
     assert out["state"].page_size_bytes == 12_648_800
-    assert f"{100 * (12_648_800 - 12_648_448) / 12_648_448:.4f}" == "0.0028"
+    # the state padded over its real bytes: (12,648,800 - 12,648,448) / 12,648,448
+    assert f"{100 * (out['state'].page_size_bytes / out['state'].real_page_size_bytes - 1):.4f}" == "0.0028"
     # pad-to-max instead pads the one-token attention page to the whole state page
     padded = unify_page_sizes({"attn": attn, "state": state}, "pad-to-max")
     assert (padded["attn"].block_size, padded["attn"].page_size_padded) == (1, 12_648_448)
@@ -723,6 +729,48 @@ def test_lcm_policy_probe_through_spec_level_scenario():
 def test_unknown_policy():
     with pytest.raises(ValueError, match="unknown unify policy"):
         unify_page_sizes({"a": fa(8), "b": fa(4)}, "round-robin")
+
+
+# The padding percentages above are read from the unified specs (they were literal arithmetic once):
+# a unification that gets the page right but not the padding fails them.
+
+THIS = sys.modules[__name__]
+_UNIFY = unify_page_sizes
+
+
+def _scales_instead_of_padding(specs, policy="pad-to-max"):
+    """Reaches a padded attention page by growing the block (no padding left to see)."""
+    out = _UNIFY(specs, policy)
+    return {
+        k: dataclasses.replace(v, block_size=v.page_size_padded // v.bytes_per_token, page_size_padded=None)
+        if isinstance(v, AttentionSpec) and v.page_size_padded and v.page_size_padded % v.bytes_per_token == 0
+        else v
+        for k, v in out.items()
+    }  # fmt: skip
+
+
+def _grows_the_state(specs, policy="pad-to-max"):
+    """Reaches a padded state page by growing the state tensor (the real state is lost)."""
+    out = _UNIFY(specs, policy)
+    return {
+        k: dataclasses.replace(v, shapes=((v.page_size_bytes,),), dtypes=("uint8",), page_size_padded=None)
+        if isinstance(v, MambaSpec) and v.page_size_padded
+        else v
+        for k, v in out.items()
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("test", "wrong", "shown"),
+    [
+        ("test_mla_target_pads_smaller_swa_draft", _scales_instead_of_padding, "'0.0' == '11.1'"),
+        ("test_lcm_policy_turboquant_probe", _grows_the_state, "'0.0000' == '0.0028'"),
+    ],
+)
+def test_padding_assertions_catch_a_wrong_unification(monkeypatch, test, wrong, shown):
+    monkeypatch.setattr(THIS, "unify_page_sizes", wrong)
+    with pytest.raises(AssertionError, match=re.escape(shown)):
+        getattr(THIS, test)()
 
 
 # --------------------------------------------------------------------------- grouping (kv_cache_planning)
@@ -750,8 +798,11 @@ def test_gemma3_27b_like_52_sw_plus_10_full():
     # _get_kv_cache_groups_uniform_page_size: group_size 10, SW -> 6 groups [9,9,9,9,8,8] (strided),
     # bytes_per_block = 10 * P
     layers = "".join("A" if i % 6 == 5 and i < 60 else "S" for i in range(62))
-    assert (layers.count("S"), layers.count("A")) == (52, 10)
     s = make_scenario(model(layers, gqa(16, 128, sliding_window=1024)))
+    assert Counter(spec.kind for spec in layer_specs(s).values()) == {
+        "sliding_window": 52,
+        "full_attention": 10,
+    }
     groups = get_kv_cache_groups(layer_specs(s))
     sw = [g for g in groups if g.kind == "sliding_window"]
     full = [g for g in groups if g.kind == "full_attention"]
@@ -794,7 +845,35 @@ def test_gpt_oss_needed_memory():
     per_kind = {g.kind: g.blocks_per_request(s.runtime) for g in groups}
     assert per_kind == {"sliding_window": 1033, "full_attention": 8192}
     assert needed_bytes(groups, s.runtime) == 9225 * 393_216
-    assert format_gib(9225 * 393_216) == "3.38"
+    assert format_gib(needed_bytes(groups, s.runtime)) == "3.38"  # 3,627,417,600 B / 2**30
+
+
+_LAYER_SPECS = layer_specs
+
+
+def _windows_as_full(s, choice=None):
+    """Every sliding-window layer billed as full attention (vllm-metal#563's wrong formula)."""
+    return {
+        k: dataclasses.replace(v, kind="full_attention", sliding_window=None)
+        if v.kind == "sliding_window"
+        else v
+        for k, v in _LAYER_SPECS(s, choice).items()
+    }
+
+
+@pytest.mark.parametrize(
+    ("test", "name", "wrong", "shown"),
+    [
+        # the layer count comes from the specs (it was the test's own string once)
+        ("test_gemma3_27b_like_52_sw_plus_10_full", "layer_specs", _windows_as_full, "full_attention': 62"),
+        # the GiB text comes from the need (it was format_gib of a literal once); decimal GB: 3.63
+        ("test_gpt_oss_needed_memory", "format_gib", lambda b: f"{round(b / 1e9, 2)}", "'3.63' == '3.38'"),
+    ],
+)
+def test_grouping_assertions_catch_a_wrong_rule(monkeypatch, test, name, wrong, shown):
+    monkeypatch.setattr(THIS, name, wrong)
+    with pytest.raises(AssertionError, match=re.escape(shown)):
+        getattr(THIS, test)()
 
 
 def deepseek_v32(**runtime: Any) -> Scenario:

@@ -239,6 +239,40 @@ class ScaleMamba43626(ReferenceBackend):
 
     def unify_page_sizes(self, specs, scenario):
         return super().unify_page_sizes(specs, scenario.with_runtime(unify_policy="scale-only"))
+
+
+class OldAdmissionText(ReferenceBackend):
+    """The admission message of older vLLM logs: no "(which also controls CPU memory on the CPU
+    backend)" and no docs link; the numbers are right."""
+    name = "wrong-admission-text"
+
+    def check_memory(self, specs, scenario):
+        m = super().check_memory(specs, scenario)
+        text = m.admission.replace(" (which also controls CPU memory on the CPU backend)", "")
+        return dataclasses.replace(m, admission=text.split(" See https://")[0])
+
+
+class PackedWidthForFp8Mla(ReferenceBackend):
+    """The hybrid alignment prices plain fp8 MLA with fp8_ds_mla's packed 656 B/token (the fix of
+    vllm#55449 applied to every fp8 MLA format); fp8_ds_mla itself is right."""
+    name = "wrong-fp8-mla-width"
+
+    def align_hybrid_block_size(self, scenario):
+        if scenario.model is not None and scenario.model.use_mla and scenario.runtime.kv_cache_dtype == "fp8":
+            scenario = scenario.with_runtime(kv_cache_dtype="fp8_ds_mla")
+        return super().align_hybrid_block_size(scenario)
+
+
+class PaddingBilledAsState(ReferenceBackend):
+    """Unification that grows a padded state page's tensors to the page instead of padding it: the
+    page bytes are right, the real (unpadded) state is lost."""
+    name = "wrong-padding-as-state"
+
+    def unify_page_sizes(self, specs, scenario):
+        out = super().unify_page_sizes(specs, scenario)
+        return {k: dataclasses.replace(v, shapes=((v.page_size_bytes,),), dtypes=("uint8",),
+                                       page_size_padded=None)
+                if isinstance(v, MambaSpec) and v.page_size_padded else v for k, v in out.items()}
 '''
 #: WrongX -> (-k expression, tests that must fail: node names, relative to the regression files).
 CASES: dict[str, tuple[str, set[str]]] = {
@@ -378,6 +412,69 @@ CASES: dict[str, tuple[str, set[str]]] = {
 }
 
 
+#: Assertions that replaced literal arithmetic (issue 18): WrongX -> (-k expression, {test: text its
+#: failure must show}), so each new assertion is shown failing by itself on a wrong backend.
+PINPOINTED: dict[str, tuple[str, dict[str, str]]] = {
+    "Unaligned229": (
+        "metal229_granite_bs400_one_sequence",
+        {
+            "test_kvconform_reported.py::test_metal229_granite_bs400_one_sequence_is_block_aligned": (
+                "assert 167772160 == 196608000"
+            ),
+        },
+    ),
+    "OldAdmissionText": (
+        "old_estimate_fails or metal513 or metal575",
+        {
+            "test_kvconform_reported.py::test_metal229_granite_bs400_old_estimate_fails_admission": (
+                "assert got.admission == "
+            ),
+            "test_kvconform_history.py::test_metal513_estimate_reserves_the_null_block": (
+                "assert got.admission == text"
+            ),
+            "test_kvconform_history.py::test_metal575_estimate_counts_padded_state_pages": (
+                "assert refused.admission == "
+            ),
+        },
+    ),
+    "NullBlock513": (
+        "metal575",
+        {
+            "test_kvconform_history.py::test_metal575_estimate_counts_padded_state_pages": (
+                "assert 7392 == 6336"
+            ),
+        },
+    ),
+    "NoKernelTranslation235": (
+        "block_160_runs",
+        {
+            "test_kvconform_reported.py::test_metal235_block_160_runs_as_5_kernel_blocks_of_32": (
+                "assert [8, 16, 32, 160] == [8, 16, 32, 32]"
+            ),
+        },
+    ),
+    "PackedWidthForFp8Mla": (
+        "vllm_b2_mla_hybrid",
+        {
+            "test_kvconform_reported.py::test_vllm_b2_mla_hybrid_block_uses_the_packed_page": (
+                "assert (656, 1280, 839680) == (576, 1408, 811008)"
+            ),
+        },
+    ),
+    "PaddingBilledAsState": (
+        "unify_repad_mamba or 43626_mamba",
+        {
+            "test_kvconform_reported.py::test_vllm_b2_planner_block_makes_unify_repad_mamba": (
+                "assert {'0.00'} == {'14.54'}"
+            ),
+            "test_kvconform_history.py::test_vllm43626_mamba_page_is_padded_not_scaled": (
+                "assert '0.00' == '103.17'"
+            ),
+        },
+    ),
+}
+
+
 @pytest.fixture
 def wrong(pytester: pytest.Pytester) -> pytest.Pytester:
     pytester.makepyfile(wrongbackends=WRONG_BACKENDS)
@@ -398,6 +495,23 @@ def test_wrong_formula_fails_its_regression(wrong: pytest.Pytester, backend: str
     failed = _failed(rec)
     assert must_fail <= failed, f"{backend}: did not fail {sorted(must_fail - failed)}"
     assert failed == must_fail, f"{backend}: also failed {sorted(failed - must_fail)}"
+
+
+@pytest.mark.parametrize("backend", list(PINPOINTED))
+def test_each_fixed_assertion_fails_on_a_wrong_formula(wrong: pytest.Pytester, backend: str) -> None:
+    """Every assertion that replaced a literal (``assert 4 * 128 == 512`` style) reads the backend's
+    answer: a backend wrong in that one respect fails the test at that very assertion."""
+    expr, must_fail = PINPOINTED[backend]
+    rec = wrong.inline_run(REPORTED, HISTORY, f"--kvconform-backend=wrongbackends:{backend}", "-k", expr,
+                           "-p", "no:cacheprovider", "-q")  # fmt: skip
+    failures = {
+        r.nodeid.rsplit("/", 1)[-1]: r.longreprtext
+        for r in rec.getreports("pytest_runtest_logreport")
+        if r.failed and r.when == "call"
+    }
+    for test, shown in must_fail.items():
+        assert test in failures, f"{backend}: {test} did not fail (failed: {sorted(failures)})"
+        assert shown in failures[test], f"{backend}: {test} failed elsewhere:\n{failures[test][-2000:]}"
 
 
 def test_goldens_fail_on_an_unused_snapshot(

@@ -2,7 +2,8 @@
 
 Whatever backend is selected, its one-sequence bytes are turned into a pool the runtime really
 allocates: it must hold ``max_model_len`` tokens (written through a slot mapping and attended
-over, against the dense oracle). Big models are scaled down to one attention layer with one KV
+over, against the dense oracle; MLA latents, which the runtime has no attention kernel for, are
+read back through the block table). Big models are scaled down to one attention layer with one KV
 head, which keeps the sizing shape (block size, per-token bytes per head, token count).
 
 The ``allocation`` family runs on backends that really allocate (capability ``allocation``):
@@ -47,16 +48,9 @@ def _blocks_in_one_sequence(scenario: Scenario, one_sequence_bytes: int) -> tupl
 @pytest.mark.kvconform_metal
 @pytest.mark.kvconform_rule("one_sequence")
 def test_one_sequence_pool_holds_max_model_len(kv_backend: Any, kv_scenario: Scenario) -> None:
-    import mlx.core as mx
-    import numpy as np
-
-    from pytest_kvconform.metal_runtime import (
-        DTYPE_TOLERANCES,
-        dense_attention,
-        paged_attention_logical,
-        reshape_and_cache,
-    )
-
+    """The pool the backend's one-sequence bytes buy holds ``max_model_len`` tokens: K/V attended
+    over against the dense oracle, or, for MLA (the runtime has no MLA attention kernel), the
+    latents read back through the block table."""
     model = kv_scenario.model
     if model is None or model.attention is None:
         pytest.skip("needs a model-level scenario with attention layers")
@@ -67,25 +61,76 @@ def test_one_sequence_pool_holds_max_model_len(kv_backend: Any, kv_scenario: Sce
         f"{one_sequence} B buy {num_blocks} blocks of {block} tokens: {num_blocks * block} < {length} tokens"
     )
     if model.attention.kind == "mla":
-        return  # the runtime has no MLA attention kernel; the capacity check above is the claim
-    dtype = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}[model.dtype]
-    d = model.attention.head_dim
-    cache_k = mx.zeros((num_blocks, block, 1, d), dtype=dtype)
-    cache_v = mx.zeros_like(cache_k)
-    rng = np.random.default_rng(0)
-    keys = mx.array(rng.standard_normal((length, 1, d), dtype=np.float32)).astype(dtype)
-    values = mx.array(rng.standard_normal((length, 1, d), dtype=np.float32)).astype(dtype)
-    # Blocks in reverse order, so the table really is a permutation: slot = block_id * bs + offset.
+        _latents_read_back(kv_scenario, num_blocks, block)
+    else:
+        _attention_matches_dense(kv_scenario, num_blocks, block)
+
+
+def _sequence_layout(num_blocks: int, block: int, length: int) -> tuple[list[int], Any]:
+    """The sequence's block table (blocks in reverse order, so it really is a permutation) and the
+    slot of each token (``slot = block_id * block_size + offset``)."""
+    import mlx.core as mx
+    import numpy as np
+
     table = list(range(num_blocks - 1, -1, -1))
     positions = np.arange(length)
     slots = np.array(table)[positions // block] * block + positions % block
-    cache_k, cache_v = reshape_and_cache(keys, values, cache_k, cache_v, mx.array(slots, dtype=mx.int64))
+    return table[: -(-length // block)], mx.array(slots, dtype=mx.int64)
+
+
+def _latents_read_back(scenario: Scenario, num_blocks: int, block: int) -> None:
+    """Every token's MLA latent (kv_lora_rank + qk_rope_head_dim values) is written through the
+    slot mapping into a pool of ``num_blocks`` blocks and read back through the block table,
+    unchanged and in order (one latent per token: MLA has no separate V)."""
+    import mlx.core as mx
+    import numpy as np
+
+    from pytest_kvconform.metal_runtime import reshape_and_cache
+
+    model, length = scenario.model, scenario.runtime.max_model_len
+    assert model is not None and model.attention is not None
+    dtype = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}[model.dtype]
+    d = model.attention.kv_lora_rank + model.attention.qk_rope_head_dim
+    table, slots = _sequence_layout(num_blocks, block, length)
+    rng = np.random.default_rng(0)
+    latents = mx.array(rng.standard_normal((length, 1, d), dtype=np.float32)).astype(dtype)
+    cache = mx.zeros((num_blocks, block, 1, d), dtype=dtype)
+    cache, _ = reshape_and_cache(latents, latents, cache, cache, slots)
+    read = cache[mx.array(table)].reshape(len(table) * block, 1, d)[:length]
+    assert mx.array_equal(read, latents).item(), (
+        f"the latents of {length} tokens do not read back through the block table {table[:4]}..."
+    )
+
+
+def _attention_matches_dense(scenario: Scenario, num_blocks: int, block: int) -> None:
+    """One KV head's K/V for every token, written through the slot mapping into a pool of
+    ``num_blocks`` blocks; paged attention over the block table equals the dense oracle."""
+    import mlx.core as mx
+    import numpy as np
+
+    from pytest_kvconform.metal_runtime import (
+        DTYPE_TOLERANCES,
+        dense_attention,
+        paged_attention_logical,
+        reshape_and_cache,
+    )
+
+    model, length = scenario.model, scenario.runtime.max_model_len
+    assert model is not None and model.attention is not None
+    dtype = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}[model.dtype]
+    d = model.attention.head_dim
+    table, slots = _sequence_layout(num_blocks, block, length)
+    rng = np.random.default_rng(0)
+    cache_k = mx.zeros((num_blocks, block, 1, d), dtype=dtype)
+    cache_v = mx.zeros_like(cache_k)
+    keys = mx.array(rng.standard_normal((length, 1, d), dtype=np.float32)).astype(dtype)
+    values = mx.array(rng.standard_normal((length, 1, d), dtype=np.float32)).astype(dtype)
+    cache_k, cache_v = reshape_and_cache(keys, values, cache_k, cache_v, slots)
     query = mx.array(rng.standard_normal((1, 2, d), dtype=np.float32)).astype(dtype)
     scale = 1 / math.sqrt(d)
     cu = mx.array([0, 1], dtype=mx.int32)
     out = paged_attention_logical(
-        query, cache_k, cache_v, [table[: -(-length // block)]], mx.array([length], dtype=mx.int32), cu,
-        scale=scale, num_kv_heads=1,
+        query, cache_k, cache_v, [table], mx.array([length], dtype=mx.int32), cu, scale=scale, num_kv_heads=1,
     )  # fmt: skip
     expected = dense_attention(query, [keys], [values], cu, scale=scale)
     atol, rtol = DTYPE_TOLERANCES[model.dtype]
