@@ -376,6 +376,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         if call.when == "call" and led is not None:
             # JSON-serialisable, as everything here: user properties cross xdist
             report.user_properties.append(("kvconform_answers", led.counts()))
+            if rule.args[0] == "plan" and led.answers:
+                report.user_properties.append(("kvconform_steps", led.by_method()))
             if led.outcome_of_pass() == "inherited":
                 report.user_properties.append(("kvconform_inherited", True))
             if led.declined_steps():
@@ -448,6 +450,12 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
 
         terminalreporter.write_line("generated inputs compared, per rule they reach:")
         for line in format_exercised(session.exercised):
+            terminalreporter.write_line("  " + line)
+    if session.plan_steps:
+        from .report import format_steps
+
+        terminalreporter.write_line("plan steps, by whose code answered them (answers over all plan tests):")
+        for line in format_steps(session.plan_steps):
             terminalreporter.write_line("  " + line)
     if session.reference_steps:
         terminalreporter.write_line("plan steps the reference answered because the backend declined them:")

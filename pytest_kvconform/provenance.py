@@ -158,6 +158,13 @@ class Ledger:
         """Answers by who gave them (``backend``, ``inherited``, ``reference``)."""
         return dict(Counter(by for _, _, by, _ in self.answers))
 
+    def by_method(self) -> dict[str, dict[str, int]]:
+        """``family.method`` -> who answered -> answers, in the order first asked."""
+        out: dict[str, Counter[str]] = {}
+        for family, method, by, _ in self.answers:
+            out.setdefault(f"{family}.{method}", Counter())[by] += 1
+        return {k: dict(v) for k, v in out.items()}
+
     def declined_steps(self) -> list[str]:
         """``family.method: reference (why)`` of each answer the reference gave because the
         backend declined."""

@@ -52,6 +52,10 @@ SCHEMA = "kvconform-report/1"
 ANSWERED_BY = {"backend": "own", "inherited": "inherited", "reference": "declined"}
 
 
+def _by_name(counts: Counter[str]) -> dict[str, int]:
+    return {name: int(counts[by]) for by, name in ANSWERED_BY.items()}
+
+
 def answers_of(records: Iterable[Mapping[str, Any]]) -> dict[str, Counter[str]]:
     """Rule family -> who answered -> backend answers, from result records."""
     answers: dict[str, Counter[str]] = defaultdict(Counter)
@@ -60,15 +64,17 @@ def answers_of(records: Iterable[Mapping[str, Any]]) -> dict[str, Counter[str]]:
     return answers
 
 
+def format_steps(steps: Mapping[str, Counter[str]]) -> list[str]:
+    """One line per plan step (``family.method``): its answers by who gave them."""
+    width = max((len(step) for step in steps), default=0)
+    return [f"{step:<{width}}  " + ", ".join(f"{counts[k]} {v}" for k, v in ANSWERED_BY.items())
+            for step, counts in steps.items()]  # fmt: skip
+
+
 def format_answers(answers: Mapping[str, Counter[str]]) -> list[str]:
     """One line per rule family: the backend's answers compared, by who gave them: its own code,
     the reference's code running for it (inherited), the reference because it declined."""
-    rows = [(rule, counts) for rule, counts in answers.items() if sum(counts.values())]
-    if not rows:
-        return []
-    width = max(len(rule) for rule, _ in rows)
-    return [f"{rule:<{width}}  " + ", ".join(f"{counts[k]} {v}" for k, v in ANSWERED_BY.items())
-            for rule, counts in rows]  # fmt: skip
+    return format_steps({rule: counts for rule, counts in answers.items() if sum(counts.values())})
 
 
 def matrix_of(records: Iterable[Mapping[str, Any]]) -> dict[str, Counter[str]]:
@@ -87,6 +93,7 @@ def report_document(
     options: Mapping[str, str] | None = None,
     reference: Mapping[str, str] | None = None,
     producer: str = "pytest",
+    plan_steps: Mapping[str, Counter[str]] | None = None,
 ) -> dict[str, Any]:
     """The JSON report (schema :data:`SCHEMA`, every key in docs/reports.md)."""
     rows = _rows(matrix)
@@ -100,10 +107,8 @@ def report_document(
         "rules": {rule: dict(zip(OUTCOMES, counts, strict=True)) for rule, counts in rows},
         "totals": {o: sum(c[i] for _, c in rows) for i, o in enumerate(OUTCOMES)},
         "generated_reached": {family: dict(counts) for family, counts in (exercised or {}).items()},
-        "answers": {
-            rule: {v: counts[k] for k, v in ANSWERED_BY.items()}
-            for rule, counts in answers_of(records).items()
-        },
+        "plan_steps": {step: _by_name(counts) for step, counts in (plan_steps or {}).items()},
+        "answers": {rule: _by_name(counts) for rule, counts in answers_of(records).items()},
         "results": [
             {
                 "test": str(r.get("test", "")),
@@ -112,7 +117,7 @@ def report_document(
                 "outcome": str(r["outcome"]),
                 "message": str(r.get("message", "")),
                 "difference": dict(r["difference"]) if r.get("difference") else None,
-                "answers": {v: int((r.get("answers") or {}).get(k, 0)) for k, v in ANSWERED_BY.items()},
+                "answers": _by_name(Counter(r.get("answers") or {})),
             }
             for r in records
         ],

@@ -42,6 +42,8 @@ class KVConformSession:
         self.matrix: dict[str, Counter[str]] = defaultdict(Counter)
         #: rule family -> who answered ("backend", "inherited", "reference") -> backend answers
         self.answers: dict[str, Counter[str]] = defaultdict(Counter)
+        #: plan step ("family.method") -> who answered -> answers, over the plan tests
+        self.plan_steps: dict[str, Counter[str]] = defaultdict(Counter)
         #: rule family -> rule reached -> generated inputs compared that reached it
         self.exercised: dict[str, Counter[str]] = defaultdict(Counter)
         #: one record per conformance test: test (nodeid), rule, scenario, outcome, message, the
@@ -84,6 +86,8 @@ class KVConformSession:
                 outcome = "inherited"  # every answer compared was the reference's code
             self.matrix[str(rule)][outcome] += 1
             self.answers[str(rule)].update(properties.get("kvconform_answers", {}))
+            for step, counts in properties.get("kvconform_steps", {}).items():
+                self.plan_steps[step].update(counts)
             self.matrix[str(rule)]["generated"] += int(properties.get("kvconform_generated", 0))
             self.matrix[str(rule)]["discarded"] += int(properties.get("kvconform_discarded", 0))
             if properties.get("kvconform_exercised"):
@@ -105,6 +109,7 @@ class KVConformSession:
             self.backend, self.matrix, self.exercised, self.records,
             options=parse_options(self.backend_options_raw),
             reference={"vllm_release": release.release, "selected_by": selected_by},
+            plan_steps=self.plan_steps,
         )  # fmt: skip
 
     def undeclared_inherited(self) -> list[str]:
