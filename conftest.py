@@ -19,3 +19,13 @@ for _module in ("numpy", "mlx.core"):
 settings.register_profile("dev", max_examples=20)
 if os.environ.get("HYPOTHESIS_PROFILE"):
     settings.load_profile(os.environ["HYPOTHESIS_PROFILE"])
+
+
+def pytest_ignore_collect(collection_path, config):
+    """The main job, ``pytest --kvconform-backend=X`` from the repository root, runs the conformance
+    suites only: the plugin's own tests (``tests/``) are collected when no backend is selected (the
+    README's test command) or when named on the command line."""
+    if config.args_source != config.ArgsSource.TESTPATHS or not config.getoption("kvconform_backend"):
+        return None
+    tests = config.rootpath / "tests"
+    return True if collection_path == tests or tests in collection_path.parents else None
