@@ -110,7 +110,10 @@ def test_neutral_platform_hooks_change_nothing(monkeypatch: pytest.MonkeyPatch, 
     backend = VllmBackend()
     on_each_host(monkeypatch, torch_cpu, backend, "granite-4.0-h-tiny")
     assert backend.departures == {}
-    assert backend.notes() == ["vLLM platform rules: neutral (vllm.platforms.interface.Platform defaults)"]
+    assert backend.notes() == [
+        "vLLM platform rules: neutral (vllm.platforms.interface.Platform defaults)",
+        "worker: vllm.v1.worker.gpu_worker.Worker",
+    ]
 
 
 def test_cpu_platform_reads_the_fake_host(monkeypatch: pytest.MonkeyPatch, torch_cpu: Any) -> None:
@@ -128,7 +131,10 @@ def test_cpu_platform_reads_the_fake_host(monkeypatch: pytest.MonkeyPatch, torch
         "CpuPlatform.check_and_update_config set cache_config.mamba_ssm_cache_dtype: 'auto' -> 'float32'"
         in changes
     )
-    assert backend.notes() == [f"vLLM platform rules: {CPU_PLATFORM}"]
+    assert backend.notes()[:2] == [
+        f"vLLM platform rules: {CPU_PLATFORM}",
+        "worker: vllm.v1.worker.gpu_worker.Worker",
+    ]
 
 
 def test_platform_scope_restores_the_host_platform(torch_cpu: Any) -> None:

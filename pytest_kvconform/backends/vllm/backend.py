@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections import OrderedDict
+import os
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, ClassVar, TypeVar
 
-from ...model import BlockChoice, HybridAlignment, KVCacheGroup, MemoryCheck
+from ...errors import RuleNotApplicable
+from ...model import BlockChoice, HybridAlignment, KVCacheGroup, KVPlan, MemoryCheck, PoolAllocation
 from ...reference.mamba import Shapes
 from ...reference.specs import AttentionSpec, KVCacheSpec, MambaSpec
 from ...reference.speculative import speculative_method
@@ -30,16 +31,18 @@ from ..base import ReferenceBackend
 from . import configs, hybrid, layers, planning
 from . import specs as vllm_specs
 from .compat import kv_cache_dtypes
-from .offline import CACHES, config_json, register_kv_cache_dtypes
+from .offline import CACHES, config_json, register_kv_cache_dtypes, vllm_config
 from .platform import (
     CPU_FEATURES,
     HookChange,
     cpu_probes,
+    current_log,
     is_neutral,
     neutral_platform,
     platform_name,
     platform_scope,
     resolve_platform,
+    scenario_after,
 )
 from .runtime import (
     INSTALL_HINT,
@@ -48,6 +51,7 @@ from .runtime import (
     installed_vllm_version,
     is_vllm_installed,
 )
+from .worker import build_worker, bytes_held, is_gpu_worker, resolve_worker, worker_name
 
 T = TypeVar("T")
 
@@ -102,11 +106,21 @@ class VllmBackend(ReferenceBackend):
     #: a class or ``"package.module:Class"`` names another (a plugin's own).
     platform: ClassVar[type | str | None] = None
 
-    def __init__(self, platform: type | str | None = None, cpu_features: str = "native") -> None:
-        """``platform``: see :attr:`platform`. ``cpu_features``: what the ``torch.cpu`` feature
-        probes answer inside this backend's vLLM calls, for platforms that read the host (vLLM's
-        CPU platform): ``native`` (the machine's), or one of :data:`CPU_FEATURES`, so a run gives
-        the same answers on every machine."""
+    #: The worker class whose ``get_kv_cache_spec`` and ``determine_available_memory`` answer:
+    #: None is vLLM core's GPU worker; a class or ``"package.module:Class"`` names a plugin's
+    #: (built without a device, :mod:`.worker`).
+    worker: ClassVar[type | str | None] = None
+
+    def __init__(
+        self,
+        platform: type | str | None = None,
+        cpu_features: str = "native",
+        worker: type | str | None = None,
+    ) -> None:
+        """``platform``: see :attr:`platform`; ``worker``: see :attr:`worker`. ``cpu_features``:
+        what the ``torch.cpu`` feature probes answer inside this backend's vLLM calls, for
+        platforms that read the host (vLLM's CPU platform): ``native`` (the machine's), or one of
+        :data:`CPU_FEATURES`, so a run gives the same answers on every machine."""
         if not is_vllm_installed():
             raise VllmUnavailableError(f"vLLM is not installed: {INSTALL_HINT}")
         if cpu_features != "native" and cpu_features not in CPU_FEATURES:
@@ -115,10 +129,9 @@ class VllmBackend(ReferenceBackend):
             )
         self.cpu_features = cpu_features
         self._platform_arg = platform if platform is not None else type(self).platform
+        self._worker_arg = worker if worker is not None else type(self).worker
         #: scenario name -> settings the platform's hooks changed while answering for it
         self.departures: dict[str, list[HookChange]] = {}
-        #: the last layer specs this backend returned -> the engine they came from
-        self._returned: OrderedDict[int, tuple[dict[str, KVCacheSpec], layers.EngineSpecs]] = OrderedDict()
 
     @property
     def version(self) -> str:
@@ -127,7 +140,8 @@ class VllmBackend(ReferenceBackend):
 
     def notes(self) -> list[str]:
         """For the header: whose config hooks and block-size phases are applied."""
-        notes = [f"vLLM platform rules: {platform_name(self._platform_arg)}"]
+        notes = [f"vLLM platform rules: {platform_name(self._platform_arg)}",
+                 f"worker: {worker_name(self._worker_arg)}"]  # fmt: skip
         if self.cpu_features != "native":
             notes.append(f"CPU feature probes answer as {self.cpu_features}")
         return notes
@@ -145,7 +159,8 @@ class VllmBackend(ReferenceBackend):
     def _scope(self, scenario: Scenario | None) -> Iterator[type]:
         """vLLM calls under this backend's platform; hook changes are kept per scenario."""
         platform = self.platform_for(scenario)
-        with platform_scope(platform) as log, cpu_probes(self.cpu_features):
+        env = scenario.runtime.env if scenario is not None else ()
+        with scenario_env(env), platform_scope(platform) as log, cpu_probes(self.cpu_features):
             if scenario is not None:  # what the platform registers when it is activated
                 register_kv_cache_dtypes(scenario.runtime.registered_kv_cache_dtypes)
             yield platform
@@ -205,8 +220,16 @@ class VllmBackend(ReferenceBackend):
             )
         with self._scope(scenario) as platform:
             if is_neutral(platform):
-                return _neutral_engine(config_json(scenario), scenario.runtime, scenario)
-            return layers.build_engine_specs(scenario, platform)
+                key = (config_json(scenario), scenario.runtime, type(self), self._worker_arg)
+                if key not in _NEUTRAL_ENGINES:
+                    _NEUTRAL_ENGINES[key] = layers.build_engine_specs(scenario, platform, self.make_worker)
+                return _NEUTRAL_ENGINES[key]
+            return layers.build_engine_specs(scenario, platform, self.make_worker)
+
+    def make_worker(self, config: Any, distributed_init_method: str) -> Any:
+        """The worker of this backend on ``config``, without a device (:mod:`.worker`); a
+        plugin's profile overrides it when its worker needs more (a mesh, a runner of its own)."""
+        return build_worker(_resolved_worker(self._worker_arg), config, distributed_init_method)
 
     def rerun_hooks(self, scenario: Scenario) -> dict[str, list[HookChange]]:
         """What the platform's config hooks change when run a second time (see the platform
@@ -217,11 +240,10 @@ class VllmBackend(ReferenceBackend):
             return layers.rerun_hooks(scenario, platform)
 
     def _inputs(self, specs: dict[str, KVCacheSpec], scenario: Scenario) -> tuple[Any, dict[str, Any]]:
-        """The config and vLLM specs to plan ``specs`` with: the engine's own when ``specs`` are
-        the ones this backend returned for the scenario, else converted ones. Call in a scope."""
-        returned = self._returned.get(id(specs))
-        if returned is not None and returned[0] is specs:
-            return returned[1].config, returned[1].specs
+        """The config and vLLM specs to plan ``specs`` with: the engine's own objects when
+        ``specs`` are the worker's (:class:`EngineLayerSpecs`), else converted ones. Call in a scope."""
+        if isinstance(specs, EngineLayerSpecs):
+            return specs.engine.config, specs.engine.specs
         return planning.neutral_inputs(specs, scenario.runtime)
 
     # -- dtype
@@ -255,16 +277,53 @@ class VllmBackend(ReferenceBackend):
 
     # -- layer_specs: the worker's get_kv_cache_spec over the model's own layers
     def layer_specs(self, scenario: Scenario) -> dict[str, KVCacheSpec]:
+        """The worker's ``get_kv_cache_spec`` (:mod:`.worker`), converted once: the neutral specs
+        keep vLLM's own objects beside them, so grouping and the memory check plan those."""
         engine = self.engine(scenario)
-        layers = engine.config.compilation_config.static_forward_context
-        specs = {
-            name: vllm_specs.from_vllm_spec(spec, layer=layers.get(name))
-            for name, spec in engine.specs.items()
-        }
-        self._returned[id(specs)] = (specs, engine)
-        while len(self._returned) > 8:
-            self._returned.popitem(last=False)
-        return specs
+        return EngineLayerSpecs(engine)
+
+    # -- memory: the worker's probe
+    def determine_available_memory(self, scenario: Scenario) -> int:
+        """The worker's ``determine_available_memory`` (vllm/v1/worker/gpu_worker.py), its
+        memory probe answering the scenario's budget (``--kv-cache-memory-bytes``)."""
+        engine = self.engine(scenario)
+        with self._scope(scenario), _current_config(engine.config):
+            return int(engine.worker.determine_available_memory())
+
+    # -- allocation: the worker's initialisation from vLLM's KVCacheConfig
+    def allocate_kv_cache(self, plan: KVPlan, num_blocks: int, scenario: Scenario) -> PoolAllocation:
+        """A plugin worker's ``initialize_from_config`` with vLLM's ``KVCacheConfig`` of
+        ``num_blocks`` blocks (``get_kv_cache_configs`` for ``num_blocks * bytes_per_block``), and
+        what it then holds (:func:`.worker.bytes_held`)."""
+        engine = self.engine(scenario)
+        if is_gpu_worker(type(engine.worker)):
+            raise RuleNotApplicable(
+                "vLLM core's GPU worker allocates on its device (initialize_from_config -> "
+                "GPUModelRunner.initialize_kv_cache); a plugin worker (option worker=) is asked"
+            )
+        with self._scope(scenario), _current_config(engine.config):
+            kv_config = planning.kv_cache_config(
+                engine.config, engine.specs, num_blocks * plan.bytes_per_block
+            )
+            engine.worker.initialize_from_config(kv_config)
+            held = bytes_held(engine.worker)
+        blocks = int(kv_config.num_blocks)
+        return PoolAllocation(blocks, held // blocks, held, handle=engine.worker)
+
+    # -- platform: the platform's config hook
+    def check_and_update_config(self, scenario: Scenario) -> Scenario:
+        """The scenario as ``<platform>.check_and_update_config`` leaves its ``VllmConfig``
+        (the hook runs when the config is built): what it changed that the scenario can say is
+        set in the returned scenario (:func:`.platform.scenario_after`); the rest is kept in
+        :attr:`departures`."""
+        if scenario.is_spec_level:
+            return scenario  # no model: the engine builds no config of its own for it
+        with self._scope(scenario) as platform:
+            log = current_log()
+            start = len(log.changes) if log is not None else 0
+            vllm_config(scenario, platform)
+            changes = log.changes[start:] if log is not None else []
+        return scenario_after(scenario, changes)
 
     # -- attention_page / max_memory
     def attention_page_bytes(self, spec: AttentionSpec, scenario: Scenario) -> int:
@@ -311,15 +370,47 @@ def _resolved(platform: type | str) -> type:
     return resolve_platform(platform)
 
 
-#: config.json, runtime -> the engine's view on the neutral platform (its hooks read no host)
-_NEUTRAL_ENGINES: dict[tuple[str, Any], layers.EngineSpecs] = {}
+@functools.cache
+def _resolved_worker(worker: type | str | None) -> type:
+    return resolve_worker(worker)
+
+
+class EngineLayerSpecs(dict[str, KVCacheSpec]):
+    """Layer name -> neutral spec of the worker's ``get_kv_cache_spec``, with the engine (its
+    config and vLLM's own spec objects) kept beside them."""
+
+    def __init__(self, engine: layers.EngineSpecs) -> None:
+        forward = engine.config.compilation_config.static_forward_context
+        super().__init__(
+            (name, vllm_specs.from_vllm_spec(spec, layer=forward.get(name)))
+            for name, spec in engine.specs.items()
+        )
+        self.engine = engine
+
+
+@contextlib.contextmanager
+def _current_config(config: Any) -> Iterator[None]:
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(config):
+        yield
+
+
+#: config.json, runtime, backend class, worker -> the engine on the neutral platform (no host read)
+_NEUTRAL_ENGINES: dict[tuple[str, Any, type, Any], layers.EngineSpecs] = {}
 CACHES.append(_NEUTRAL_ENGINES)
 
 
-def _neutral_engine(text: str, runtime: Any, scenario: Scenario) -> layers.EngineSpecs:
-    key = (text, runtime)
-    if key not in _NEUTRAL_ENGINES:
-        _NEUTRAL_ENGINES[key] = layers.build_engine_specs(
-            scenario, neutral_platform(runtime.kernel_block_alignment)
-        )
-    return _NEUTRAL_ENGINES[key]
+@contextlib.contextmanager
+def scenario_env(env: tuple[tuple[str, str], ...]) -> Iterator[None]:
+    """``[runtime.env]``: set while the backend runs, then put back as it was."""
+    saved = {name: os.environ.get(name) for name, _ in env}
+    os.environ.update(dict(env))
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

@@ -64,7 +64,9 @@ class VllmConfigView:
 
 def base_config(rt: RuntimeSettings) -> Any:
     """A fresh ``VllmConfig()`` (no model) with the runtime's cache, scheduler and parallel settings."""
-    from vllm.config import CacheConfig, SchedulerConfig, VllmConfig
+    from vllm.config import CacheConfig, SchedulerConfig
+
+    from .platform import config_without_model
 
     cache = CacheConfig(
         block_size=rt.block_size if rt.user_specified_block_size else None,
@@ -76,7 +78,9 @@ def base_config(rt: RuntimeSettings) -> Any:
         max_model_len=rt.max_model_len, is_encoder_decoder=False,
         max_num_batched_tokens=rt.max_num_batched_tokens,
     )  # fmt: skip
-    return VllmConfig(cache_config=cache, scheduler_config=scheduler, parallel_config=parallel_config(rt))
+    return config_without_model(
+        cache_config=cache, scheduler_config=scheduler, parallel_config=parallel_config(rt)
+    )
 
 
 def parallel_config(rt: RuntimeSettings) -> Any:

@@ -14,17 +14,16 @@ from __future__ import annotations
 
 import contextlib
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 from ...model import BlockChoice
 from ...scenario import Scenario
 from .compat import non_ssm_backends
 from .offline import vllm_config
-from .platform import HookChange, diff, snapshot
+from .platform import HookChange, config_without_model, diff, snapshot
 from .runtime import LOCK, UnsupportedByVllmError, vllm_runtime
 
 
@@ -33,9 +32,10 @@ class EngineSpecs:
     """One scenario as the worker sees it after loading the model."""
 
     config: Any  # the VllmConfig, after update_block_size_for_backend
-    specs: dict[str, Any]  # layer name -> vLLM KVCacheSpec (get_kv_cache_spec)
+    specs: dict[str, Any]  # layer name -> vLLM KVCacheSpec (the worker's get_kv_cache_spec)
     choice: BlockChoice
     backends: tuple[type, ...]  # the distinct non-SSM attention backends, in layer order
+    worker: Any = None  # the worker that answered (:mod:`.worker`), built without a device
 
 
 _DISTRIBUTED: list[str] = []
@@ -43,16 +43,17 @@ _DISTRIBUTED: list[str] = []
 
 def _ensure_distributed() -> None:
     """A one-process gloo world with model parallel groups of size 1 (built once). It is built
-    under a config without a model, so that vLLM also creates the expert-parallel group MoE
-    layers ask for (``initialize_model_parallel`` skips it for a dense model)."""
-    from vllm.config import VllmConfig, set_current_vllm_config
+    under a config without a model (:func:`~.platform.config_without_model`, never the plugin's
+    platform), so that vLLM also creates the expert-parallel group MoE layers ask for
+    (``initialize_model_parallel`` skips it for a dense model)."""
+    from vllm.config import set_current_vllm_config
     from vllm.distributed import parallel_state as ps
 
     if _DISTRIBUTED:
         return
     init_file = Path(tempfile.mkdtemp(prefix="kvconform-dist-")) / "init"
     if not ps.model_parallel_is_initialized():
-        with set_current_vllm_config(VllmConfig()):
+        with set_current_vllm_config(config_without_model()):
             ps.init_distributed_environment(
                 world_size=1, rank=0, local_rank=0, distributed_init_method=f"file://{init_file}",
                 backend="gloo",
@@ -90,8 +91,12 @@ def _model_class(config: Any) -> Any:
     return model_cls
 
 
-def build_engine_specs(scenario: Scenario, platform: type) -> EngineSpecs:
-    """The model's layers on ``meta``, ``update_block_size_for_backend``, ``get_kv_cache_spec``.
+def build_engine_specs(
+    scenario: Scenario, platform: type, make_worker: Callable[[Any, str], Any] | None = None
+) -> EngineSpecs:
+    """The model's layers on ``meta``, ``update_block_size_for_backend``, then the worker
+    (``make_worker(config, distributed_init_method)``; vLLM core's GPU worker by default) built
+    without a device and asked for its ``get_kv_cache_spec`` (:mod:`.worker`).
 
     Call inside ``platform_scope(platform)``. Pieces that cannot run offline raise
     :class:`UnsupportedByVllmError` naming them.
@@ -99,7 +104,8 @@ def build_engine_specs(scenario: Scenario, platform: type) -> EngineSpecs:
     import torch
     from vllm.config import set_current_vllm_config
     from vllm.platforms import current_platform
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from .worker import build_worker, resolve_worker
 
     vllm_runtime()
     rt = scenario.runtime
@@ -119,12 +125,13 @@ def build_engine_specs(scenario: Scenario, platform: type) -> EngineSpecs:
         platform_cls = type(current_platform)
         backends = non_ssm_backends(platform_cls, config)
         platform_cls.update_block_size_for_backend(config)
-        runner = SimpleNamespace(vllm_config=config, shared_kv_cache_layers={})
-        specs = GPUModelRunner.get_kv_cache_spec(runner)  # type: ignore[arg-type]
+        make_worker = make_worker or (lambda config, init: build_worker(resolve_worker(None), config, init))
+        worker = make_worker(config, f"file://{_DISTRIBUTED[0]}")
+        specs = worker.get_kv_cache_spec()
     cache = config.cache_config
     mamba_block = cache.mamba_block_size if cache.mamba_block_size is not None else rt.max_model_len
     choice = BlockChoice(int(cache.block_size), int(mamba_block), cache.mamba_page_size_padded)
-    return EngineSpecs(config, dict(specs), choice, backends)
+    return EngineSpecs(config, dict(specs), choice, backends, worker)
 
 
 def rerun_hooks(scenario: Scenario, platform: type) -> dict[str, list[HookChange]]:

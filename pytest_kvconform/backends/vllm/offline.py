@@ -94,6 +94,7 @@ def vllm_config(scenario: Scenario, platform: type) -> Any:
         block_size=rt.block_size if rt.user_specified_block_size else None,
         cache_dtype=rt.kv_cache_dtype, mamba_cache_dtype=rt.mamba_cache_dtype,
         mamba_ssm_cache_dtype=rt.mamba_ssm_cache_dtype, num_gpu_blocks_override=rt.num_gpu_blocks_override,
+        kv_cache_memory_bytes=rt.kv_cache_memory_bytes,  # --kv-cache-memory-bytes: what the worker reports
         # vLLM 0.33 derives the mode from prefix caching (on: "align"); 0.32 reads the field.
         enable_prefix_caching=align, mamba_cache_mode=rt.mamba_cache_mode,
     )  # fmt: skip
@@ -101,12 +102,14 @@ def vllm_config(scenario: Scenario, platform: type) -> Any:
         max_model_len=rt.max_model_len, is_encoder_decoder=False,
         max_num_batched_tokens=rt.max_num_batched_tokens,
         async_scheduling=rt.max_concurrent_batches == 2,  # max_concurrent_batches: 2 with async scheduling
+        **({"max_num_seqs": rt.max_num_seqs} if rt.max_num_seqs is not None else {}),
     )  # fmt: skip
     parallel = parallel_config(rt)
     config = VllmConfig(
         model_config=model_config, cache_config=cache, scheduler_config=scheduler,
         device_config=DeviceConfig(device="cpu"), parallel_config=parallel,
         speculative_config=speculative_config(scenario, model_config, parallel),
+        additional_config=rt.additional_config_dict,
     )  # fmt: skip
     if getattr(model_config.hf_config, "kvconform_substitutes", None) in QWEN35:
         from vllm.model_executor.models.config import Qwen3_5ForConditionalGenerationConfig

@@ -140,3 +140,12 @@ def check_memory(config: Any, vllm_specs: Mapping[str, Any], available_memory: i
 def estimate_max_model_len(config: Any, vllm_specs: Mapping[str, Any], available: int) -> int:
     """``_estimate_max_model_len_from_groups`` for ``available`` bytes (0: not one token fits)."""
     return vllm_runtime().planning.estimate_max_model_len(config, _groups(config, vllm_specs), available)
+
+
+def kv_cache_config(config: Any, vllm_specs: Mapping[str, Any], available_memory: int) -> Any:
+    """vLLM's own ``KVCacheConfig`` for one worker with ``available_memory`` bytes
+    (``get_kv_cache_configs``), whether or not one max-length request fits in it (its
+    admission check is recorded, not raised: a pool of a few blocks is asked on purpose)."""
+    resolve_layout(config, vllm_specs)
+    with _watch_admission():
+        return vllm_runtime().planning.kv_cache_config(config, vllm_specs, available_memory)

@@ -239,6 +239,52 @@ def platform_scope(platform_cls: type) -> Iterator[HookLog]:
                 os.environ.update(environ)
 
 
+#: A setting a platform's config hook may change -> the ``[runtime]`` key that says the same
+RUNTIME_OF_SETTING = {
+    "cache_config.block_size": "block_size",
+    "cache_config.cache_dtype": "kv_cache_dtype",
+    "cache_config.mamba_cache_dtype": "mamba_cache_dtype",
+    "cache_config.mamba_ssm_cache_dtype": "mamba_ssm_cache_dtype",
+    "cache_config.mamba_cache_mode": "mamba_cache_mode",
+    "cache_config.kv_cache_memory_bytes": "kv_cache_memory_bytes",
+    "cache_config.num_gpu_blocks_override": "num_gpu_blocks_override",
+    "scheduler_config.max_num_batched_tokens": "max_num_batched_tokens",
+    "scheduler_config.async_scheduling": "max_concurrent_batches",
+    "parallel_config.tensor_parallel_size": "tensor_parallel_size",
+    "parallel_config.decode_context_parallel_size": "decode_context_parallel_size",
+    "model_config.max_model_len": "max_model_len",
+}
+
+
+def scenario_after(scenario: Any, changes: list[HookChange]) -> Any:
+    """``scenario`` with what a platform's ``check_and_update_config`` changed, where the scenario
+    format can say it: a block size it sets is a ``--block-size`` (Phase 1 then keeps it), async
+    scheduling is ``max_concurrent_batches`` 2. Other changes (a padded Mamba page, the hybrid
+    manager switched off) have no scenario key; the backend keeps them as departures."""
+    runtime: dict[str, Any] = {}
+    for change in changes:
+        key = RUNTIME_OF_SETTING.get(change.setting)
+        if key is None or change.after is None:
+            continue
+        value = change.after
+        if key == "max_concurrent_batches":
+            value = 2 if value else 1
+        elif key == "block_size":
+            runtime["user_specified_block_size"] = True
+        runtime[key] = value
+    return scenario.with_runtime(**runtime) if runtime else scenario
+
+
+def config_without_model(**kwargs: Any) -> Any:
+    """A ``VllmConfig`` without a model (spec-level rules, the process group's bootstrap), built
+    under vLLM core's neutral ``Platform``: a plugin's ``check_and_update_config`` expects a model
+    (tpu-inference's reads ``model_config.runner_type``) and never sees one of these."""
+    from vllm.config import VllmConfig
+
+    with platform_scope(neutral_platform()):
+        return VllmConfig(**kwargs)
+
+
 #: A host kind -> what vLLM's CPU feature probes (``torch.cpu._is_*_supported``) answer.
 _AVX512, _BF16, _AMX = "_is_avx512_supported", "_is_avx512_bf16_supported", "_is_amx_tile_supported"
 CPU_FEATURES: dict[str, dict[str, bool]] = {

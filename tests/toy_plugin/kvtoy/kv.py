@@ -1,6 +1,7 @@
 """The toy plugin's backends: its own KV sizing code, checked against the reference."""
 
 import dataclasses
+from typing import ClassVar
 
 from pytest_kvconform.backends.base import ReferenceBackend
 from pytest_kvconform.errors import RuleNotApplicable
@@ -15,7 +16,9 @@ class ToyBackend(ReferenceBackend):
     name = "toy"
     capabilities = frozenset({"allocation"})
     #: deliberate delegation: reported as inherited (declared), never as passed
-    inherits = {"kernel_block": "the toy kernel takes vllm-metal's block split (super())"}
+    inherits: ClassVar[dict[str, str]] = {
+        "kernel_block": "the toy kernel takes vllm-metal's block split (super())"
+    }
 
     def __init__(self, device: str = "cpu") -> None:
         self.device = device

@@ -1,0 +1,121 @@
+"""The worker's steps of the engine's start-up, offline: its ``get_kv_cache_spec`` and its
+``determine_available_memory``, on a worker built without a device.
+
+The engine (``EngineCore._initialize_kv_caches``, vllm/v1/engine/core.py) asks each worker for
+``get_kv_cache_spec()`` and ``determine_available_memory()`` before it plans the pool. The worker
+class is vLLM core's GPU worker (``vllm.v1.worker.gpu_worker:Worker``) by default, or a plugin's
+(option ``worker=pkg.mod:Class``). What a worker may assume here (docs/plugins.md repeats it):
+
+* it is constructed as ``Worker(vllm_config=config, local_rank=0, rank=0,
+  distributed_init_method="file://...", is_driver_worker=True)`` inside the platform's scope, on
+  the config the engine built: the platform's ``check_and_update_config`` ran, the model's layers
+  exist on the ``meta`` device (``compilation_config.static_forward_context``) and
+  ``update_block_size_for_backend`` ran;
+* ``init_device`` and ``load_model`` are never called: no device, no weights. If the worker has no
+  ``model_runner`` after construction, it gets :class:`RunnerStandIn`: ``get_kv_cache_spec()`` is
+  vLLM's ``GPUModelRunner.get_kv_cache_spec`` over those layers, ``profile_run()`` does nothing;
+* the memory probe answers the scenario's budget: ``cache_config.kv_cache_memory_bytes`` is the
+  scenario's ``kv_cache_memory_bytes`` (``--kv-cache-memory-bytes``) and ``init_snapshot.free_memory``
+  reports it; ``randomize_dummy_inputs`` is False;
+* the tensor-parallel group has the scenario's size and this worker is rank 0; nothing
+  communicates;
+* a plugin's worker is also asked ``initialize_from_config(kv_cache_config)`` with vLLM's own
+  ``KVCacheConfig`` for a few blocks (``get_kv_cache_configs``); what it then holds is read from
+  ``model_runner.kv_caches`` or its own ``kv_caches`` (:func:`bytes_held`). vLLM core's GPU worker
+  is not: it allocates on its device.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+#: vLLM core's worker: the default
+GPU_WORKER = "vllm.v1.worker.gpu_worker:Worker"
+
+
+def resolve_worker(worker: type | str | None) -> type:
+    """A worker class from a class, None (vLLM core's GPU worker) or ``"package.module:Class"``."""
+    import importlib
+
+    if isinstance(worker, type):
+        return worker
+    module_name, _, attr = (worker or GPU_WORKER).partition(":")
+    if not attr:
+        raise ValueError(f"worker {worker!r}: expected 'package.module:ClassName'")
+    return getattr(importlib.import_module(module_name), attr)  # type: ignore[no-any-return]
+
+
+def worker_name(worker: type | str | None) -> str:
+    """How reports name a worker; no import."""
+    if isinstance(worker, type):
+        return f"{worker.__module__}.{worker.__qualname__}"
+    return (worker or GPU_WORKER).replace(":", ".")
+
+
+class RunnerStandIn:
+    """The model runner of a worker built without a device: the layers' specs through vLLM's own
+    ``GPUModelRunner.get_kv_cache_spec``, a profile run that runs nothing."""
+
+    def __init__(self, vllm_config: Any) -> None:
+        self.vllm_config = vllm_config
+        self.shared_kv_cache_layers: dict[str, str] = {}
+
+    def get_kv_cache_spec(self) -> dict[str, Any]:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+        return dict(GPUModelRunner.get_kv_cache_spec(self))  # type: ignore[arg-type]
+
+    def profile_run(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+def build_worker(worker_cls: type, config: Any, distributed_init_method: str) -> Any:
+    """``worker_cls`` on ``config``, without a device (the contract above). Call inside the
+    platform's scope, under ``set_current_vllm_config(config)``."""
+    worker = worker_cls(
+        vllm_config=config, local_rank=0, rank=0, distributed_init_method=distributed_init_method,
+        is_driver_worker=True,
+    )  # fmt: skip
+    if getattr(worker, "model_runner", None) is None:
+        worker.model_runner = RunnerStandIn(config)
+    if not hasattr(worker, "init_snapshot"):
+        worker.init_snapshot = SimpleNamespace(free_memory=config.cache_config.kv_cache_memory_bytes)
+    if not hasattr(worker, "randomize_dummy_inputs"):
+        worker.randomize_dummy_inputs = False
+    return worker
+
+
+def is_gpu_worker(worker_cls: type) -> bool:
+    """Whether ``worker_cls`` is vLLM core's own GPU worker (it allocates on its device)."""
+    return f"{worker_cls.__module__}:{worker_cls.__qualname__}" == GPU_WORKER
+
+
+def bytes_held(worker: Any) -> int:
+    """What the worker holds for the KV cache after ``initialize_from_config``: the bytes of its
+    runner's ``kv_caches`` (vLLM's GPU runner and tpu-inference's keep them there), or of the
+    worker's own ``kv_caches``: tensors (``numel * element_size``), arrays (``nbytes``), buffers,
+    and lists, tuples and dicts of them."""
+    runner = getattr(worker, "model_runner", None)
+    caches = getattr(runner, "kv_caches", None)
+    if caches is None:
+        caches = getattr(worker, "kv_caches", None)
+    if caches is None:
+        raise ValueError(f"{type(worker).__qualname__} keeps no kv_caches after initialize_from_config")
+    return _nbytes(caches)
+
+
+def _nbytes(x: Any) -> int:
+    if isinstance(x, dict):
+        return sum(_nbytes(v) for v in x.values())
+    if isinstance(x, list | tuple):
+        return sum(_nbytes(v) for v in x)
+    if isinstance(x, bytes | bytearray | memoryview):
+        return len(x)
+    if hasattr(x, "element_size") and hasattr(x, "numel"):
+        return int(x.numel()) * int(x.element_size())
+    return int(x.nbytes)
+
+
+__all__ = ["GPU_WORKER", "RunnerStandIn", "build_worker", "bytes_held", "is_gpu_worker", "resolve_worker",
+           "worker_name"]  # fmt: skip
