@@ -1,11 +1,11 @@
 """The ``vllm`` backend: real vLLM code answering each sizing rule, on an explicit platform.
 
-One module per job: ``runtime`` (the one import of vLLM, and which release's planning API it
-speaks: ``api_033`` / ``api_032``), ``platform`` (whose ``Platform`` hooks run),
-``configs`` (offline config.json writers, one per architecture), ``offline`` (the scenario's
-``VllmConfig``), ``specs`` (spec conversion and per-spec rules), ``hybrid`` (block
-alignment, state shapes), ``planning`` (unification, grouping, pool and admission) and
-``backend`` (:class:`VllmBackend`). None imports vLLM at module import time.
+One module per job: ``runtime`` (the one import of vLLM), ``api`` (every call whose spelling
+changed between releases), ``platform`` (whose ``Platform`` hooks run), ``configs`` (offline
+config.json writers, one per architecture), ``offline`` (the scenario's ``VllmConfig``),
+``worker`` (the worker built without a device), ``specs`` (spec conversion and per-spec rules),
+``hybrid`` (block alignment, state shapes), ``planning`` (unification, grouping, pool and
+admission) and ``backend`` (:class:`VllmBackend`). None imports vLLM at module import time.
 """
 
 from .backend import VllmBackend

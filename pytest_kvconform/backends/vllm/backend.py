@@ -30,7 +30,7 @@ from ...scenario import Scenario
 from ..base import ReferenceBackend
 from . import configs, hybrid, layers, planning
 from . import specs as vllm_specs
-from .compat import kv_cache_dtypes
+from .api import kv_cache_dtypes
 from .offline import CACHES, config_json, register_kv_cache_dtypes, vllm_config
 from .platform import (
     CPU_FEATURES,

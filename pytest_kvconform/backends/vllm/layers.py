@@ -21,7 +21,7 @@ from typing import Any
 
 from ...model import BlockChoice
 from ...scenario import Scenario
-from .compat import non_ssm_backends
+from .api import non_ssm_backends
 from .offline import vllm_config
 from .platform import HookChange, config_without_model, diff, snapshot
 from .runtime import LOCK, UnsupportedByVllmError, vllm_runtime

@@ -7,7 +7,7 @@ and the admission check it runs, ``_check_enough_kv_cache_memory``, ``_pool_byte
 (0.33: ``_pool_bytes_per_block_from_builder``), ``_estimate_max_model_len_from_groups`` (all
 ``P``), ``get_max_concurrency_for_kv_cache_config`` (``kv_cache_utils.py``) and
 ``resolve_kv_cache_layout`` (v1/attention/backends/utils.py). The release-specific calling
-conventions live in ``api_032`` / ``api_033``.
+conventions live in :mod:`.api`.
 
 Each function takes the ``VllmConfig`` to plan with and vLLM's own spec objects: the
 scenario's real config and the specs its model's layers reported (end to end), or, for a
@@ -25,7 +25,7 @@ from typing import Any
 from ...model import KVCacheGroup, MemoryCheck
 from ...reference.specs import KVCacheSpec
 from ...scenario import RuntimeSettings
-from .compat import group_bytes_per_block, resolve_layout
+from .api import group_bytes_per_block, resolve_layout
 from .config_view import spec_level_config
 from .runtime import UnsupportedByVllmError, vllm_runtime
 from .specs import from_vllm_spec, spec_kind, to_vllm_spec

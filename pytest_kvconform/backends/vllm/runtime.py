@@ -3,9 +3,8 @@
 Nothing in this package imports vLLM at module import time: :func:`vllm_runtime` imports it
 once per process (10-30 s) and every other module goes through it. The planning functions
 moved between releases (``vllm/v1/core/kv_cache_utils.py`` up to 0.32,
-``vllm/v1/core/kv_cache_planning.py`` from 0.33, where they also take a config builder):
-:attr:`VllmRuntime.planning` is the module of this package that speaks the installed
-release's calling convention (``api_033`` or ``api_032``).
+``vllm/v1/core/kv_cache_planning.py`` from 0.33, where they also take a config builder): each is
+found where this release has it, and :mod:`.api` speaks each release's spelling.
 """
 
 from __future__ import annotations
@@ -66,7 +65,7 @@ class VllmRuntime:
     functions: Mapping[str, Callable[..., Any]]
     #: function name -> the module it was found in (``PLANNING_MODULES`` order).
     locations: Mapping[str, str]
-    #: ``api_033`` or ``api_032``: the calling convention of the planning functions.
+    #: :mod:`.api`: the planning calls, spelled as this release spells them.
     planning: ModuleType
 
     def fn(self, name: str) -> Callable[..., Any]:
@@ -142,10 +141,9 @@ def _import_vllm() -> VllmRuntime:
             if name not in functions and callable(getattr(module, name, None)):
                 functions[name] = getattr(module, name)
                 locations[name] = module_name
-    api = "api_033" if locations.get("get_kv_cache_configs") == PLANNING_MODULES[0] else "api_032"
     return VllmRuntime(
         version=str(vllm.__version__), torch=torch, kv_cache_interface=kv_cache_interface,
-        functions=functions, locations=locations, planning=importlib.import_module(f"{__package__}.{api}"),
+        functions=functions, locations=locations, planning=importlib.import_module(f"{__package__}.api"),
     )  # fmt: skip
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from ...reference.specs import AttentionSpec, KVCacheSpec, MambaSpec
 from ...scenario import RuntimeSettings
-from .compat import cache_role, construct
+from .api import cache_role, construct
 from .config_view import ModelConfigStandIn, VllmConfigView, base_config, spec_level_config
 from .runtime import UnsupportedByVllmError, dtype_name, installed_vllm_version, torch_dtype, vllm_runtime
 
