@@ -113,6 +113,9 @@ def ask(rules: Any, method: str, *args: Any, **kwargs: Any) -> Answer:
     elif code is not None and is_reference_code(code.co_filename):
         by_code = INHERITED  # the reference's own function runs (not redefined)
     else:
+        prepare = getattr(rules, "prepare", None)
+        if callable(prepare) and kwargs.get("scenario") is not None:
+            prepare(kwargs["scenario"])  # its expensive set-up, unwatched (see ReferenceRules.prepare)
         with _watch_reference_returns() as handed:
             try:
                 value = fn(*args, **kwargs)

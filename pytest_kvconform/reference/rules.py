@@ -53,6 +53,11 @@ class ReferenceRules:
     #: this very class answers as the reference (not a subclass: see ``provenance.is_oracle``)
     _kvconform_oracle: ClassVar[bool] = True
 
+    def prepare(self, scenario: Scenario) -> None:
+        """Set-up that produces no answer (importing a runtime, building an engine), run before
+        each watched rule call (:mod:`pytest_kvconform.provenance` watches the call's returns,
+        which costs time); errors here must wait for the rule call itself. The reference has none."""
+
     def policy_for(self, scenario: Scenario) -> str:
         return self.unify_policy or scenario.runtime.unify_policy
 
@@ -132,6 +137,11 @@ class ReferenceRules:
         return scenario.runtime.kv_cache_memory_bytes
 
     def check_memory(self, specs: dict[str, KVCacheSpec], scenario: Scenario) -> MemoryCheck:
+        """``get_kv_cache_configs`` for one worker, up to its admission check: the budget
+        (``kv_cache_memory_bytes``, or the override's blocks), the null block taken from it where
+        the release does (0.29+: ``null_block_reserved``; :func:`.memory.admission_budget`), then
+        ``_check_enough_kv_cache_memory`` on those bytes, whose estimate is this object's
+        :meth:`estimate_max_model_len` asked for the very same bytes."""
         return memory.check_memory(
             self._needed_bytes(specs, scenario), scenario.runtime,
             lambda available: self.estimate_max_model_len(specs, available, scenario=scenario),
@@ -141,6 +151,10 @@ class ReferenceRules:
     def estimate_max_model_len(
         self, specs: dict[str, KVCacheSpec], available: int, scenario: Scenario
     ) -> int:
+        """``_estimate_max_model_len_from_groups(vllm_config, groups, available)``: the longest
+        length whose need fits ``available``, exactly the bytes given. In every release (0.27 ...
+        0.33) vLLM reserves nothing here: :meth:`check_memory` (``get_kv_cache_configs``) hands it
+        a budget the null block was already taken from, where the release takes it."""
         return memory.estimate_max_model_len(self._needed_bytes(specs, scenario), scenario.runtime, available)
 
     def _needed_bytes(self, specs: dict[str, KVCacheSpec], scenario: Scenario) -> memory.NeededBytes:

@@ -50,6 +50,7 @@ from .runtime import (
     VllmUnavailableError,
     installed_vllm_version,
     is_vllm_installed,
+    vllm_runtime,
 )
 from .worker import build_worker, bytes_held, is_gpu_worker, resolve_worker, worker_name
 
@@ -225,6 +226,14 @@ class VllmBackend(ReferenceBackend):
                     _NEUTRAL_ENGINES[key] = layers.build_engine_specs(scenario, platform, self.make_worker)
                 return _NEUTRAL_ENGINES[key]
             return layers.build_engine_specs(scenario, platform, self.make_worker)
+
+    def prepare(self, scenario: Scenario) -> None:
+        """Import vLLM and build the scenario's engine (cached) before a rule is asked; a piece
+        that cannot be built offline is reported by the rule call itself."""
+        vllm_runtime()
+        if not scenario.is_spec_level:
+            with contextlib.suppress(Exception):
+                self.engine(scenario)
 
     def make_worker(self, config: Any, distributed_init_method: str) -> Any:
         """The worker of this backend on ``config``, without a device (:mod:`.worker`); a
