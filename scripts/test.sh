@@ -12,8 +12,14 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 export VLLM_CACHE_ROOT=${VLLM_CACHE_ROOT:-$PWD/.vllm-cache} HF_HUB_OFFLINE=1
+# pytest-xdist workers per run (both cores; KVCONFORM_WORKERS=0 runs in one process)
+WORKERS=${KVCONFORM_WORKERS:-2}
 status=0
-run() { echo "+ pytest $*"; "$PY" -m pytest -p no:cacheprovider --benchmark-disable "$@" || status=1; }
+run() {
+    echo "+ pytest $*"; local t=$SECONDS
+    "$PY" -m pytest -p no:cacheprovider --benchmark-disable -n "$WORKERS" "$@" || status=1
+    echo "(run took $((SECONDS - t)) s)"
+}
 # a vLLM run: its header must name the release whose rules judge it
 run_vllm() {
     local release=$1; shift
@@ -23,8 +29,9 @@ run_vllm() {
         [[ "${KVCONFORM_VLLM_RELEASES:-1}" == 0 ]] || status=1
         return
     fi
-    echo "+ pytest $* (vLLM $release)"
-    "$PY" -m pytest -p no:cacheprovider --benchmark-disable "$@" | tee "$log" || status=1
+    echo "+ pytest $* (vLLM $release)"; local t=$SECONDS
+    "$PY" -m pytest -p no:cacheprovider --benchmark-disable -n "$WORKERS" "$@" | tee "$log" || status=1
+    echo "(run took $((SECONDS - t)) s)"
     grep -q "reference=vLLM $release rules (installed vLLM $release" "$log" || { echo "not judged by vLLM $release's rules"; status=1; }
 }
 log=$(mktemp)

@@ -219,9 +219,10 @@ def test_mla_latents_are_really_read_back(monkeypatch: pytest.MonkeyPatch) -> No
     ],
 )
 def test_the_plan_benchmark_skips_only_declared_failures(
-    pytester: pytest.Pytester, backend: str, outcome: str, shown: str
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, backend: str, outcome: str, shown: str
 ) -> None:
     """The plan benchmark used to turn any exception of ``plan()`` into a skip."""
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)  # pytest-benchmark reads it (-n 2 runs)
     pytester.makepyfile(broken=BROKEN)
     pytester.syspathinsert()
     result = pytester.runpytest(
