@@ -29,6 +29,7 @@ from .conformance import (
 )
 from .errors import REJECTIONS
 from .model import KVPlan
+from .reference.releases import LATEST
 from .reference.specs import AttentionSpec, MambaSpec
 from .reference.unify import POLICIES
 from .scenario import Scenario
@@ -188,14 +189,19 @@ def _matches(want: Any, got: Any) -> bool:
 
 def expectations(backend: Any, reference: Any, scenario: Scenario) -> None:
     """The scenario file's own ``[expect]`` table (numbers its author derived) and the plan fields
-    of its ``[expect.external]`` (public observations) against the backend's plan."""
+    of its ``[expect.external]`` (public observations) against the backend's plan.
+
+    Judged by an older release, a field of ``[expect.before.<change>]`` replaces its ``[expect]``
+    value for every change of ``reference.releases.CHANGES`` the reference's release lacks
+    (:meth:`~pytest_kvconform.scenario.Scenario.expect_for`)."""
     external = {k: v for k, v in scenario.expect_external.items() if k in KVPlan.field_names()}
     if not scenario.expect and not external:
         pytest.skip("no [expect] table")
+    expect = scenario.expect_for(getattr(reference, "release", LATEST))
     got = call_rule(backend, "plan", scenario=scenario).to_dict()
-    wrong = [(f"{table}.{k}", v, got[k])
-             for table, values in (("expect", scenario.expect), ("expect.external", external))
-             for k, v in values.items() if not _matches(v, got[k])]  # fmt: skip
+    stated = [(table, k, v) for k, (table, v) in expect.items()]
+    stated += [("expect.external", k, v) for k, v in external.items()]
+    wrong = [(f"{table}.{k}", v, got[k]) for table, k, v in stated if not _matches(v, got[k])]
     if wrong:
         message = f"{scenario.source}: backend {backend.name!r}: " + "; ".join(
             f"{field}: expected {want!r}, got {have!r}" for field, want, have in wrong
@@ -320,7 +326,7 @@ def run_check(
     with provenance.ledger() as ledger:
         try:
             check.run(backend, reference, scenario)
-            result = ledger.outcome_of_pass()
+            result = ledger.outcome_of_pass(check.rule)
         except Departure as exc:
             result, message, difference = "failed", str(exc), exc.to_dict()
         except pytest.skip.Exception as exc:

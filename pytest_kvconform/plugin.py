@@ -378,7 +378,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
             report.user_properties.append(("kvconform_answers", led.counts()))
             if rule.args[0] == "plan" and led.answers:
                 report.user_properties.append(("kvconform_steps", led.by_method()))
-            if led.outcome_of_pass() == "inherited":
+            if led.outcome_of_pass(rule.args[0]) == "inherited":
                 report.user_properties.append(("kvconform_inherited", True))
             if led.declined_steps():
                 report.user_properties.append(("kvconform_reference_steps", led.declined_steps()))

@@ -148,14 +148,15 @@ class Ledger:
     def record(self, family: str, method: str, by: str, reason: str = "") -> None:
         self.answers.append((family, method, by, reason))
 
-    def outcome_of_pass(self) -> str:
-        """A passing test is ``passed`` when the backend's own code gave at least one of the
-        answers compared, ``inherited`` when every answer was the reference's (run for the
-        backend, or because it declined). A test that asked the backend nothing (the reference
-        checked against itself) is ``passed``."""
-        if not self.answers or any(by == BACKEND for _, _, by, _ in self.answers):
-            return "passed"
-        return "inherited"
+    def outcome_of_pass(self, rule: str = "plan") -> str:
+        """A passing test of ``rule`` is ``passed`` when the backend's own code gave at least one
+        of the answers of that rule family it compared (of any family, for a ``plan`` test or
+        one that asked no answer of its own family), ``inherited`` when every such answer was
+        the reference's (run for the backend, or because it declined). A test that asked the
+        backend nothing (the reference checked against itself) is ``passed``."""
+        answers = [by for family, _, by, _ in self.answers if family == rule] if rule != "plan" else []
+        answers = answers or [by for _, _, by, _ in self.answers]
+        return "passed" if not answers or BACKEND in answers else "inherited"
 
     def counts(self) -> dict[str, int]:
         """Answers by who gave them (``backend``, ``inherited``, ``reference``)."""
