@@ -158,7 +158,7 @@ def first_difference(expected: Any, got: Any, path: str = "") -> tuple[str, Any,
     mappings key by key (``expected``'s order, then ``got``'s extra keys), dataclasses field by
     field, sequences item by item (``[i]``), anything else by ``==``; None when equal."""
     if dataclasses.is_dataclass(expected) and dataclasses.is_dataclass(got):
-        expected, got = vars(expected), vars(got)
+        expected, got = _fields(expected), _fields(got)
     if isinstance(expected, Mapping) and isinstance(got, Mapping):
         for key in [*expected, *(k for k in got if k not in expected)]:
             a, b = expected.get(key, _MISSING), got.get(key, _MISSING)
@@ -210,6 +210,11 @@ def assert_same(rule: str, backend: Any, scenario: Scenario | None, expected: An
     if message is not None:
         field, want, have = first_difference(expected, got)  # type: ignore[misc]
         raise Departure(message, rule, field, want, have)
+
+
+def _fields(value: Any) -> dict[str, Any]:
+    """A dataclass's compared fields (not what a frozen spec caches on itself, nor handles)."""
+    return {f.name: getattr(value, f.name) for f in dataclasses.fields(value) if f.compare}
 
 
 class _Missing:

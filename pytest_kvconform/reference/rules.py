@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
-from typing import ClassVar
+from collections.abc import Callable, Sequence
+from typing import ClassVar, TypeVar
 
 from ..model import BlockChoice, HybridAlignment, KVCacheGroup, KVPlan, MemoryCheck, PoolAllocation
 from ..scenario import Scenario
@@ -31,6 +31,8 @@ from .releases import LATEST, RuleSet
 from .specs import AttentionSpec, KVCacheSpec, MambaSpec, cdiv
 from .speculative import with_retained_tokens
 from .unify import unify_page_sizes
+
+T = TypeVar("T")
 
 
 def at_length(scenario: Scenario, max_model_len: int) -> Scenario:
@@ -76,11 +78,14 @@ class ReferenceRules:
 
     # -- hybrid_alignment: Phase 2 of update_block_size_for_backend
     def align_hybrid_block_size(self, scenario: Scenario) -> HybridAlignment | None:
-        return hybrid.hybrid_alignment(scenario, self.release)
+        return _last(
+            self, "align", (scenario, self.release), lambda: hybrid.hybrid_alignment(scenario, self.release)
+        )
 
     # -- block_size: the cache config after update_block_size_for_backend
     def choose_block_size(self, scenario: Scenario) -> BlockChoice:
-        return hybrid.block_choice(scenario, self.align_hybrid_block_size(scenario=scenario))
+        alignment = self.align_hybrid_block_size(scenario=scenario)
+        return _last(self, "choice", (scenario, alignment), lambda: hybrid.block_choice(scenario, alignment))
 
     # -- state_page
     def state_shapes(self, scenario: Scenario) -> Shapes:
@@ -116,9 +121,11 @@ class ReferenceRules:
     def kv_cache_groups(self, specs: dict[str, KVCacheSpec], scenario: Scenario) -> list[KVCacheGroup]:
         # A plan asks for the groups of the same specs up to three times (groups, memory check,
         # estimate): the last answer is kept while it is for these very objects.
-        memo = self.__dict__.get("_groups_memo")
-        if memo is not None and memo[0] is specs and memo[1] is scenario:
-            return list(memo[2])
+        return list(
+            _last(self, "groups", (specs, scenario, self.release), lambda: self._groups(specs, scenario))
+        )
+
+    def _groups(self, specs: dict[str, KVCacheSpec], scenario: Scenario) -> list[KVCacheGroup]:
         # get_kv_cache_configs tags sliding-window specs with the speculative retained tokens first
         tagged = with_retained_tokens(specs, scenario, self.release)
         groups = get_kv_cache_groups(tagged, unify=lambda s: self.unify_page_sizes(s, scenario=scenario))
@@ -126,9 +133,7 @@ class ReferenceRules:
         def pages(spec: KVCacheSpec) -> int:
             return cdiv(self.max_memory_usage_bytes(spec, scenario=scenario), spec.page_size_bytes)
 
-        public = [g.public(scenario.runtime, pages) for g in groups]
-        self.__dict__["_groups_memo"] = (specs, scenario, public)
-        return list(public)
+        return [g.public(scenario.runtime, pages) for g in groups]
 
     # -- memory
     def determine_available_memory(self, scenario: Scenario) -> int:
@@ -204,6 +209,22 @@ class ReferenceRules:
         ``ModelCachePolicy.initialize_kv_cache``); fewer blocks are accepted."""
         if num_blocks > allocation.num_blocks:
             raise ValueError(metal.oversized_config_error(num_blocks, allocation.num_blocks))
+
+
+def _last(rules: ReferenceRules, name: str, key: tuple[object, ...], compute: Callable[[], T]) -> T:
+    """The last answer of ``rules`` named ``name`` while asked again with the very same objects
+    (``key``, by identity): a plan asks for the block choice and the groups three times each. A
+    subclass's override makes new objects, so it never reuses an answer of another input."""
+    memo = rules.__dict__.get(f"_last_{name}")
+    if (
+        memo is not None
+        and len(memo[0]) == len(key)
+        and all(a is b for a, b in zip(memo[0], key, strict=True))
+    ):
+        return memo[1]  # type: ignore[no-any-return]
+    answer = compute()
+    rules.__dict__[f"_last_{name}"] = (key, answer)
+    return answer
 
 
 @functools.cache

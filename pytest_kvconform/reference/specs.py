@@ -89,7 +89,7 @@ class AttentionSpec:
 
     @property
     def page_size_bytes(self) -> int:
-        return self.page_size_padded if self.page_size_padded is not None else self.real_page_size_bytes
+        return _page_size_bytes(self)
 
     __hash__ = _cached_hash
 
@@ -148,7 +148,7 @@ class MambaSpec:
 
     @property
     def page_size_bytes(self) -> int:
-        return self.page_size_padded if self.page_size_padded is not None else self.real_page_size_bytes
+        return _page_size_bytes(self)
 
     __hash__ = _cached_hash
 
@@ -168,3 +168,13 @@ class MambaSpec:
 
 
 KVCacheSpec = AttentionSpec | MambaSpec
+
+
+def _page_size_bytes(spec: KVCacheSpec) -> int:
+    """``page_size_bytes``: the padded page, else the real one; computed once per (immutable) spec
+    object and kept on it (a plan reads it for every layer of every group)."""
+    page: int | None = spec.__dict__.get("_page_size_bytes")
+    if page is None:
+        page = spec.page_size_padded if spec.page_size_padded is not None else spec.real_page_size_bytes
+        spec.__dict__["_page_size_bytes"] = page
+    return page
