@@ -283,6 +283,48 @@ def test_large_sink_scales_output_towards_zero() -> None:
     assert np.abs(out).max() < 1e-12
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("window", [-1, 7])
+def test_batched_decode_of_ragged_lengths_matches_dense(dtype: str, window: int) -> None:
+    """Decode rows of different lengths share one padded gather (masked padding keys) and come
+    back in packed order, although the batch is formed longest first."""
+    case = Case([90, 100, 95, 99], [1, 1, 1, 1], block_size=8, dtype=dtype, seed=14)  # one batch
+    case.check(sliding_window=window)
+
+
+def test_batched_decode_with_sinks_and_gqa_matches_dense() -> None:
+    seq_lens = [int(n) for n in np.random.default_rng(15).integers(1, 300, size=12)]
+    case = Case(seq_lens, [1] * 12, hq=8, hkv=2, block_size=32, seed=15)
+    case.check(sinks=mx.array(np.linspace(-1.0, 2.0, 8).astype(np.float32)))
+
+
+def test_batched_prefill_rows_of_similar_shape_match_dense() -> None:
+    """Prefill sequences of similar shape are padded to the longest (padding rows are dropped)."""
+    Case([60, 64, 50, 70, 9], [3, 4, 1, 0, 9], seed=16).check()
+    Case([60, 64, 50, 70, 9], [3, 4, 1, 0, 9], seed=16).check(sliding_window=5)
+
+
+def test_batches_split_by_memory_bound_match_dense(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a tiny batch-memory bound every sequence is its own batch; the result is unchanged."""
+    from pytest_kvconform.metal_runtime import attention
+
+    case = Case([90, 100, 95, 99, 40], [1, 1, 1, 1, 3], seed=17)
+    expected = case.check()
+    monkeypatch.setattr(attention, "_BATCH_BYTES", 1)
+    np.testing.assert_allclose(case.check(), expected, atol=1e-6, rtol=1e-6)
+
+
+def test_cpu_exp_matches_numpy() -> None:
+    """The whole-array exp used for the softmax weights on the CPU (``exp(x)`` for ``x <= 0``)."""
+    from pytest_kvconform.metal_runtime.attention import _exp_nonpositive
+
+    x = np.concatenate([-np.geomspace(1e-8, 80.0, 4001), [0.0, -87.0]]).astype(np.float32)
+    got = np.array(_exp_nonpositive(mx.array(x)))
+    np.testing.assert_allclose(got, np.exp(x.astype(np.float64)), rtol=5e-6, atol=0)
+    edge = np.array(_exp_nonpositive(mx.array(np.array([-np.inf, -1000.0, -100.0], dtype=np.float32))))
+    np.testing.assert_array_equal(edge, [0.0, 0.0, 0.0])
+
+
 def test_rejects_bad_metadata() -> None:
     case = Case([10, 4], [1, 5])
     with pytest.raises(ValueError, match="seq_len=4 < q_len=5"):

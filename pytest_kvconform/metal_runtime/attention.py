@@ -10,12 +10,15 @@ sequences (decode rows and prefill rows alike) with segment boundaries ``cu_seql
 ``key_cache``/``value_cache`` are ``[num_blocks, block_size, Hkv, D]`` (token-major, as vLLM
 allocates them); ``seq_lens`` counts *all* KV tokens of a sequence including this step's queries.
 
-How it runs: for each sequence we gather exactly the KV rows it attends to, head-major
-(``[Hkv, L, D]``) in one ``take`` over the flat ``[NB*BS*Hkv, D]`` view (the gather also does the
-token→head transpose), then compute in fp32 with contiguous GQA grouping: query head ``h`` uses
-KV head ``h // (Hq // Hkv)``. Pure decode rows and window-only decode need no mask (the gathered
-range is exactly the attended range); prefill rows get a causal/window mask. The sink is a
-denominator-only logit and the denominator carries the kernel's ``+1e-6`` (pagedattention.metal).
+How it runs: sequences of similar shape are batched (all decode rows of a uniform step form one
+batch). Per batch, one ``take`` per cache gathers exactly the KV rows each sequence attends to,
+head-major (``[n, Hkv, L, D]``), from the flat ``[NB*BS*Hkv, D]`` view (the gather also does the
+token→head transpose); shorter sequences are padded and their padding keys masked. The compute is
+fp32 with contiguous GQA grouping (query head ``h`` uses KV head ``h // (Hq // Hkv)``) in the BLAS
+forms of ``mx.fast.scaled_dot_product_attention`` on the CPU. Decode rows of equal length need no
+mask (the gathered range is exactly the attended range); prefill rows get a causal/window mask.
+The sink is a denominator-only logit and the denominator carries the kernel's ``+1e-6``
+(pagedattention.metal).
 """
 
 from __future__ import annotations
@@ -185,16 +188,7 @@ def paged_attention(
     table = _host_ints(block_tables, "block_tables")
     if table.ndim != 2 or table.shape[0] != num_seqs:
         raise ValueError(f"block_tables must be [num_seqs={num_seqs}, max_blocks], got shape {table.shape}")
-    need = -(-lens // block_size)
-    for s in range(num_seqs):
-        if need[s] > table.shape[1]:
-            raise ValueError(
-                f"sequence {s}: seq_len={int(lens[s])} needs {int(need[s])} blocks of {block_size}, "
-                f"block_tables has {table.shape[1]} columns"
-            )
-        used = table[s, : need[s]]
-        if used.size and (used.min() < 0 or used.max() >= nb):
-            raise ValueError(f"sequence {s}: block ids {used.tolist()} out of range for {nb} cache blocks")
+    _validate_table(table, lens, block_size, nb)
     if sinks is not None and (sinks.ndim != 1 or sinks.shape[0] != hq or sinks.dtype != mx.float32):
         raise ValueError(
             f"sinks must be float32 [{hq}] (one per query head), got {sinks.dtype} {sinks.shape}"
@@ -202,78 +196,216 @@ def paged_attention(
     if t == 0:
         return mx.zeros((0, hq, d), dtype=query.dtype)
 
-    group = hq // hkv
+    q_lens = np.diff(cu)
+    lo = np.zeros_like(lens)
+    if sliding_window > 0:  # the first row of a sequence reaches back furthest
+        lo = np.maximum(0, lens - q_lens + 1 - sliding_window)
+    active = np.nonzero(q_lens > 0)[0]
     flat_k = key_cache.reshape(nb * bs * hkv, d)
     flat_v = value_cache.reshape(nb * bs * hkv, d)
-    table_mx = mx.array(table.astype(np.int32))
-    # flat row of (block b, offset o, head h) in the [NB*BS*Hkv, D] view: b*BS*Hkv + (o*Hkv + h)
-    in_block = (mx.arange(block_size, dtype=mx.int32)[None, None, :] * hkv) + mx.arange(hkv, dtype=mx.int32)[
-        :, None, None
-    ]
-    sink_g = None if sinks is None else sinks.reshape(hkv, group, 1, 1)
-    outs = []
-    for s in range(num_seqs):
-        q0, q1 = int(cu[s]), int(cu[s + 1])
-        rows = q1 - q0
-        if rows == 0:
-            continue
-        seq_len = int(lens[s])
-        first_eff = seq_len - rows + 1
-        lo = max(0, first_eff - sliding_window) if sliding_window > 0 else 0
-        b0, b1 = lo // block_size, -(-seq_len // block_size)
-        rows_idx = table_mx[s, b0:b1][None, :, None] * (block_size * hkv) + in_block  # [Hkv, nblk, BS]
-        rows_idx = rows_idx.reshape(hkv, (b1 - b0) * block_size)
-        first = lo - b0 * block_size
-        length = seq_len - lo
-        if first or length != rows_idx.shape[1]:
-            rows_idx = rows_idx[:, first : first + length]
-        idx = rows_idx.reshape(-1)
-        k = mx.take(flat_k, idx, axis=0).reshape(hkv, length, d).astype(mx.float32)
-        v = mx.take(flat_v, idx, axis=0).reshape(hkv, length, d).astype(mx.float32)
-        # [rows, Hq, D] -> [Hkv, G*rows, D]: row-block g*rows + r is query head h*G+g at row r.
-        q = query[q0:q1].astype(mx.float32) * scale
-        q = q.reshape(rows, hkv, group, d).transpose(1, 2, 0, 3).reshape(hkv, group * rows, d)
-        if rows == 1:
-            out_1 = _decode_rows(q, k, v, None if sink_g is None else sink_g.reshape(hkv, 1, group))
-            outs.append(out_1.reshape(1, hq, d))
-            continue
-        scores = (q @ k.swapaxes(-1, -2)).reshape(hkv, group, rows, length)
-        if rows > 1:
-            eff = mx.arange(first_eff, seq_len + 1, dtype=mx.int32)[:, None]
-            key_pos = mx.arange(lo, seq_len, dtype=mx.int32)[None, :]
-            mask = key_pos < eff
-            if sliding_window > 0:
-                mask = mask & (key_pos >= eff - sliding_window)
-            scores = mx.where(mask, scores, mx.array(-mx.inf, dtype=mx.float32))
-        m = scores.max(axis=-1, keepdims=True)
-        if sink_g is not None:
-            m = mx.maximum(m, sink_g)
-        e = mx.exp(scores - m)
-        denom = e.sum(axis=-1, keepdims=True) + _DENOM_EPS
-        if sink_g is not None:
-            denom = denom + mx.exp(sink_g - m)
-        o = (e.reshape(hkv, group * rows, length) @ v).reshape(hkv, group, rows, d)
-        o = o / denom
-        outs.append(o.transpose(2, 0, 1, 3).reshape(rows, hq, d))
+    sink = None if sinks is None else sinks.reshape(1, hkv, hq // hkv, 1, 1)
+    outs, rows_done = [], []
+    for group in _groups(active, q_lens, lens - lo, num_heads=hq, kv_row_floats=hkv * d):
+        out, token_rows = _attend_group(
+            query, flat_k, flat_v, table, lens, cu, lo, group,
+            num_kv_heads=hkv, block_size=bs, scale=scale, window=sliding_window, sink=sink,
+        )  # fmt: skip
+        outs.append(out)
+        rows_done.append(token_rows)
     out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
+    # ``token_rows[i]`` is the packed query row that output row ``i`` belongs to (-1: padding)
+    where = np.concatenate(rows_done)
+    if where.shape[0] != t or np.any(where != np.arange(t)):
+        pick = np.empty(t, dtype=np.int32)
+        kept = np.nonzero(where >= 0)[0]
+        pick[where[kept]] = kept
+        out = mx.take(out, mx.array(pick), axis=0)
     return out.astype(query.dtype)
 
 
-def _decode_rows(q: mx.array, k: mx.array, v: mx.array, sink: mx.array | None) -> mx.array:
-    """One query row per head, every gathered key attended: ``[Hkv, G, D]``.
+def _validate_table(table: np.ndarray, lens: np.ndarray, block_size: int, nb: int) -> None:
+    """Every sequence's used block-table entries exist and lie in ``[0, nb)`` (first offender raises)."""
+    need = -(-lens // block_size)
+    wide = np.nonzero(need > table.shape[1])[0]
+    if wide.size:
+        s = int(wide[0])
+        raise ValueError(
+            f"sequence {s}: seq_len={int(lens[s])} needs {int(need[s])} blocks of {block_size}, "
+            f"block_tables has {table.shape[1]} columns"
+        )
+    used = np.arange(table.shape[1])[None, :] < need[:, None]
+    bad = np.nonzero(np.any(used & ((table < 0) | (table >= nb)), axis=1))[0]
+    if bad.size:
+        s = int(bad[0])
+        ids = table[s, : need[s]].tolist()
+        raise ValueError(f"sequence {s}: block ids {ids} out of range for {nb} cache blocks")
 
-    Scores are formed as ``K @ q^T`` (``[Hkv, L, G]``): with the reference BLAS of the CPU wheel
-    this streams K once instead of once per query head (measured in docs/metal-runtime.md).
+
+#: A sequence joins a padded batch if its query rows and its KV range are at least this
+#: fraction of the batch's longest (so padding wastes at most 1/4 of any row's work).
+_PAD_FRACTION = 0.75
+#: Upper bound on the fp32 temporaries of one batch (gathered K and V, scores): larger batches
+#: are split, so peak memory stays bounded for long or many sequences.
+_BATCH_BYTES = 256 << 20
+
+
+def _groups(
+    active: np.ndarray, q_lens: np.ndarray, kv_lens: np.ndarray, *, num_heads: int, kv_row_floats: int
+) -> list[np.ndarray]:
+    """Batches of sequences of similar shape (decode rows together), padding bounded by ``_PAD_FRACTION``.
+
+    Each batch takes the longest remaining sequence (query rows first, then keys) and every other
+    one whose rows and keys lie in ``[_PAD_FRACTION * max, max]``, at most as many as keep the
+    batch's K, V and scores (``L * 4 * (2 * Hkv * D + Hq * R)`` bytes a sequence) within
+    ``_BATCH_BYTES``. Equal shapes keep their order, so a uniform decode step is one batch in
+    packed order.
     """
-    scores = k @ mx.contiguous(q.swapaxes(-1, -2))  # [Hkv, L, G]
-    m = scores.max(axis=1, keepdims=True)
+    q, kv = q_lens[active], kv_lens[active]
+    rest = active[np.lexsort((-kv, -q))]  # stable
+    groups = []
+    while rest.size:
+        r_max, l_max = int(q_lens[rest[0]]), int(kv_lens[rest[0]])
+        rq, rkv = q_lens[rest], kv_lens[rest]
+        fits = (rq <= r_max) & (rq >= _PAD_FRACTION * r_max) & (rkv <= l_max) & (rkv >= _PAD_FRACTION * l_max)
+        per_seq = l_max * 4 * (2 * kv_row_floats + num_heads * r_max)
+        chosen = rest[fits]
+        step = max(1, _BATCH_BYTES // per_seq)
+        groups.extend(chosen[i : i + step] for i in range(0, chosen.size, step))
+        rest = rest[~fits]
+    return groups
+
+
+def _attend_group(
+    query: mx.array,
+    flat_k: mx.array,
+    flat_v: mx.array,
+    table: np.ndarray,
+    lens: np.ndarray,
+    cu: np.ndarray,
+    lo: np.ndarray,
+    group: np.ndarray,
+    *,
+    num_kv_heads: int,
+    block_size: int,
+    scale: float,
+    window: int,
+    sink: mx.array | None,
+) -> tuple[mx.array, np.ndarray]:
+    """Attention for the ``n`` sequences of ``group`` at once, padded to ``R`` query rows and ``L`` keys.
+
+    One ``take`` per cache gathers every sequence's attended keys head-major, ``[n, Hkv, L, D]``,
+    straight from the flat ``[NB*BS*Hkv, D]`` view (the gather also transposes tokens to heads).
+    The scores then use the BLAS forms of ``mx.fast.scaled_dot_product_attention`` on CPU:
+    ``q [n,Hkv,G,R,D] @ K^T [n,Hkv,1,D,L]`` and ``P @ V [n,Hkv,1,L,D]``, G broadcast. Returns
+    ``[n*R, Hq, D]`` float32 rows and, per row, its packed query row (-1 for a padding row).
+    """
+    hkv, d = num_kv_heads, int(flat_k.shape[1])
+    t, hq = int(query.shape[0]), int(query.shape[1])
+    group_size = hq // hkv
+    n = int(group.shape[0])
+    r_lens, kv_lens = cu[group + 1] - cu[group], lens[group] - lo[group]
+    r_max, l_max = int(r_lens.max()), int(kv_lens.max())
+
+    # host-side indices: key j of sequence i is token lo+j (padding repeats the last real key)
+    j = np.arange(l_max)
+    pos = lo[group][:, None] + np.minimum(j[None, :], kv_lens[:, None] - 1)  # [n, L]
+    blocks = table[group[:, None], pos // block_size]
+    rows = (blocks * block_size + pos % block_size) * hkv  # flat row of head 0
+    idx = rows[:, None, :] + np.arange(hkv)[None, :, None]  # [n, Hkv, L]
+    idx_mx = mx.array(idx.reshape(-1).astype(np.int32 if flat_k.shape[0] < 2**31 else np.int64))
+    k = mx.take(flat_k, idx_mx, axis=0).reshape(n, hkv, 1, l_max, d)
+    v = mx.take(flat_v, idx_mx, axis=0).reshape(n, hkv, 1, l_max, d)
+    if k.dtype != mx.float32:
+        k, v = k.astype(mx.float32), v.astype(mx.float32)
+
+    r = np.arange(r_max)
+    token_rows = cu[group][:, None] + np.minimum(r[None, :], r_lens[:, None] - 1)  # [n, R]
+    flat_rows = token_rows.reshape(-1)
+    in_order = flat_rows.shape[0] == t and bool(np.all(flat_rows == np.arange(t)))
+    q = query if in_order else mx.take(query, mx.array(flat_rows.astype(np.int32)), axis=0)
+    q = q.astype(mx.float32) * scale
+    if r_max == 1:
+        q = q.reshape(n, hkv, group_size, 1, d)
+    else:
+        q = q.reshape(n, r_max, hkv, group_size, d).transpose(0, 2, 3, 1, 4)
+    scores = q @ k.swapaxes(-1, -2)  # [n, Hkv, G, R, L]
+
+    if r_max > 1 or int(kv_lens.min()) < l_max:  # decode rows of equal length need no mask
+        scores = mx.where(_keep_mask(lens[group], lo[group], r_lens, kv_lens, window), scores, -mx.inf)
+
+    m = scores.max(axis=-1, keepdims=True)
     if sink is not None:
         m = mx.maximum(m, sink)
-    e = mx.exp(scores - m)
-    denom = e.sum(axis=1, keepdims=True) + _DENOM_EPS
+    e = _exp_nonpositive(scores - m)
+    denom = e.sum(axis=-1, keepdims=True) + _DENOM_EPS
     if sink is not None:
         denom = denom + mx.exp(sink - m)
-    return (e.swapaxes(-1, -2) @ v) / denom.swapaxes(-1, -2)
+    out = (e @ v) / denom  # [n, Hkv, G, R, D]
+    if r_max > 1:
+        out = out.transpose(0, 3, 1, 2, 4)
+    token_rows = np.where(r[None, :] < r_lens[:, None], token_rows, -1)
+    return out.reshape(n * r_max, hq, d), token_rows.reshape(-1)
+
+
+def _keep_mask(
+    lens: np.ndarray, lo: np.ndarray, r_lens: np.ndarray, kv_lens: np.ndarray, window: int
+) -> mx.array:
+    """``[n, 1, 1, R, L]`` bool: row ``r`` may attend key ``j`` (token ``lo + j``) of its sequence.
+
+    Causal: ``lo + j < eff`` with ``eff = seq_len - q_len + r + 1``; with a window also
+    ``lo + j >= eff - window``. Padding keys (``j >= kv_len``) are masked; a padding row
+    (``r >= q_len``, whose output is dropped) keeps key 0 so that no row is empty. Built
+    lazily from per-sequence vectors, so no ``R x L`` array is formed on the host.
+    """
+    n, r_max, l_max = lens.shape[0], int(r_lens.max()), int(kv_lens.max())
+
+    def col(a: np.ndarray) -> mx.array:
+        return mx.array(a.astype(np.int32)).reshape(n, 1, 1)
+
+    r = mx.arange(r_max, dtype=mx.int32).reshape(1, r_max, 1)
+    j = mx.arange(l_max, dtype=mx.int32).reshape(1, 1, l_max)
+    key_pos = col(lo) + j
+    eff = col(lens - r_lens) + r + 1
+    keep = (key_pos < eff) & (j < col(kv_lens))
+    if window > 0:
+        keep = keep & (key_pos >= eff - window)
+    keep = keep | ((r >= col(r_lens)) & (j == 0))
+    return keep.reshape(n, 1, 1, r_max, l_max)
+
+
+#: MLX's own exp polynomial (``simd::exp`` in mlx/backend/cpu/simd/math.h): 2**f on [-1/2, 1/2].
+_EXP2_POLY = (
+    1.535336188319500e-4,
+    1.339887440266574e-3,
+    9.618437357674640e-3,
+    5.550332471162809e-2,
+    2.402264791363012e-1,
+    6.931472028550421e-1,
+    1.0,
+)
+_ROUND = 12582912.0  # 1.5 * 2**23: (y + _ROUND) - _ROUND rounds |y| < 2**22 to an integer
+
+
+def _exp_nonpositive(x: mx.array) -> mx.array:
+    """``exp(x)`` for float32 ``x <= 0`` (``-inf`` gives 0), as plain MLX ops on the CPU device.
+
+    The softmax weights are ``exp(scores - max) <= 1``. On the CPU ``mx.exp`` evaluates MLX's
+    polynomial one element at a time through libm ``fmaf``/``floorf`` calls (SIMD width 1 on
+    x86 Linux): 8.5 ms for the 262k scores of the benchmark step. The same polynomial as
+    whole-array ops takes 3.0 ms (docs/metal-runtime.md), with the same accuracy; below about
+    ``-87.7`` it returns 0 instead of a subnormal, as MLX does below -88. Other devices keep
+    ``mx.exp``.
+    """
+    if mx.default_device() != mx.cpu:
+        return mx.exp(x)
+    y = mx.maximum(x * 1.4426950408889634, -127.0)  # log2(e) * x, clamped: 2**-127 encodes as 0.0
+    n = (y + _ROUND) - _ROUND
+    f = y - n
+    p = _EXP2_POLY[0]
+    for c in _EXP2_POLY[1:]:
+        p = p * f + c
+    two_n = mx.view(mx.left_shift(n.astype(mx.int32) + 127, 23), mx.float32)  # exponent bits of 2**n
+    return p * two_n
 
 
 def paged_attention_logical(
