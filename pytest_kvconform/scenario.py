@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -185,6 +186,17 @@ class RuntimeSettings:
     max_num_batched_tokens: int = 2048
     max_concurrent_batches: int = 1
     unify_policy: str = "pad-to-max"
+    #: ``--max-num-seqs`` (``SchedulerConfig.max_num_seqs``); None: the engine's default
+    max_num_seqs: int | None = None
+    #: ``--additional-config`` (``VllmConfig.additional_config``, read by a platform plugin), as
+    #: canonical JSON text of a table; :attr:`additional_config_dict` is the table
+    additional_config: str = "{}"
+    #: ``(name, value)`` environment variables set only while the backend runs (a plugin's switches)
+    env: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def additional_config_dict(self) -> dict[str, Any]:
+        return dict(json.loads(self.additional_config))
 
 
 @dataclass(frozen=True)
@@ -198,6 +210,9 @@ class Scenario:
     expect: Mapping[str, Any] = field(default_factory=dict)
     expect_external: Mapping[str, Any] = field(default_factory=dict)
     source: str = "<scenario>"
+    #: ``[expect.before.<change>]``: per change of ``reference.releases.CHANGES``, the values its
+    #: fields take under the releases that lack that change (:meth:`expect_for`)
+    expect_before: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
     @property
     def is_spec_level(self) -> bool:
@@ -215,7 +230,25 @@ class Scenario:
             changes.setdefault("user_specified_block_size", True)
         runtime = dataclasses.replace(self.runtime, **changes)
         _check_runtime(runtime, self.source)
-        return dataclasses.replace(self, runtime=runtime, expect={}, expect_external={})
+        return dataclasses.replace(self, runtime=runtime, expect={}, expect_external={}, expect_before={})
+
+    def expect_for(self, release: Any) -> dict[str, tuple[str, Any]]:
+        """The ``[expect]`` values under ``release`` (a ``RuleSet``: anything with ``has(change)``),
+        each with the table it comes from: ``field -> (table, value)``.
+
+        ``[expect]`` states the newest rules; for every change the release lacks, the fields of
+        ``[expect.before.<change>]`` replace those values. When the release lacks several changes
+        that both state a field, the table of the oldest change wins: the releases before an older
+        change are the ones that also lack every newer change.
+        """
+        from .reference.releases import CHANGES  # stdlib only; imported late (reference imports us)
+
+        values = {key: ("expect", value) for key, value in self.expect.items()}
+        for change in reversed(CHANGES):  # newest first, so that the oldest change's table wins
+            if change.name in self.expect_before and not release.has(change.name):
+                table = f"expect.before.{change.name}"
+                values.update({k: (table, v) for k, v in self.expect_before[change.name].items()})
+        return values
 
 
 # --------------------------------------------------------------------------- loading
@@ -271,13 +304,40 @@ def scenario_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Scena
     external = expect.pop("external", {})
     if not isinstance(external, Mapping):
         raise ScenarioError(source, "expect.external", "expected a table")
+    before = _read_expect_before(expect.pop("before", {}), expect, source)
     for key in expect:
         if key not in KVPlan.field_names():
             raise ScenarioError(source, f"expect.{key}", "unknown key; expected a KVPlan field name")
     return Scenario(
         name=name, runtime=runtime, model=model, layer_specs=specs,
-        expect=expect, expect_external=dict(external), source=source,
+        expect=expect, expect_external=dict(external), source=source, expect_before=before,
     )  # fmt: skip
+
+
+def _read_expect_before(before: Any, expect: Mapping[str, Any], source: str) -> dict[str, dict[str, Any]]:
+    """``[expect.before.<change>]`` tables: ``<change>`` a name of ``reference.releases.CHANGES``,
+    each key a KVPlan field that ``[expect]`` also states (the value under the newest rules)."""
+    from .reference.releases import CHANGES  # stdlib only; imported late (reference imports us)
+
+    if not isinstance(before, Mapping):
+        raise ScenarioError(source, "expect.before", "expected a table of [expect.before.<change>] tables")
+    names = [c.name for c in CHANGES]
+    out: dict[str, dict[str, Any]] = {}
+    for change, values in before.items():
+        where = f"expect.before.{change}"
+        if change not in names:
+            raise ScenarioError(source, where, "unknown change; expected one of " + ", ".join(names))
+        if not isinstance(values, Mapping) or not values:
+            raise ScenarioError(source, where, "expected a non-empty table of KVPlan fields")
+        for key in values:
+            if key not in KVPlan.field_names():
+                raise ScenarioError(source, f"{where}.{key}", "unknown key; expected a KVPlan field name")
+            if key not in expect:
+                raise ScenarioError(
+                    source, f"{where}.{key}", "not in [expect]; state its value under the newest rules there"
+                )
+        out[change] = dict(values)
+    return out
 
 
 _REQUIRED = object()
@@ -435,8 +495,10 @@ def _read_runtime(r: _Reader, source: str) -> RuntimeSettings:
             "max_concurrent_batches", "decode_context_parallel_size")  # fmt: skip
     strs = _RUNTIME_CHOICES
     r.done(allowed={*ints, *strs, "num_speculative_tokens", "num_gpu_blocks_override",
-                    "user_specified_block_size", "registered_kv_cache_dtypes"})  # fmt: skip
+                    "user_specified_block_size", "registered_kv_cache_dtypes", "max_num_seqs",
+                    "additional_config", "env"})  # fmt: skip
     registered = r.table("registered_kv_cache_dtypes", required=False)
+    env = r.table("env", required=False)
     defaults = RuntimeSettings()
     values: dict[str, Any] = {k: r.int(k, default=getattr(defaults, k)) for k in ints}
     values["registered_kv_cache_dtypes"] = tuple(
@@ -446,6 +508,10 @@ def _read_runtime(r: _Reader, source: str) -> RuntimeSettings:
     values.update({k: r.str(k, default=getattr(defaults, k), choices=c) for k, c in choices.items()})
     values["num_speculative_tokens"] = r.int("num_speculative_tokens", default=0, minimum=0)
     values["num_gpu_blocks_override"] = r.int("num_gpu_blocks_override", default=None)
+    values["max_num_seqs"] = r.int("max_num_seqs", default=None)
+    values["additional_config"] = json.dumps(dict(r.table("additional_config", required=False).data),
+                                             sort_keys=True)  # fmt: skip
+    values["env"] = tuple((name, env.str(name)) for name in sorted(env.data))
     # Writing block_size is passing --block-size, unless the file says otherwise.
     values["user_specified_block_size"] = r.bool("user_specified_block_size", "block_size" in r.data)
     if not values["user_specified_block_size"] and values["block_size"] != defaults.block_size:
@@ -469,15 +535,34 @@ def _check_runtime(rt: RuntimeSettings, source: str) -> None:
                 raise ScenarioError(source, f"runtime.{f.name}", f"expected one of {choices}; got {v!r}")
         elif f.name == "registered_kv_cache_dtypes":
             continue  # validated when read
+        elif f.name == "env":
+            if not (isinstance(v, tuple) and all(isinstance(k, str) and isinstance(x, str) for k, x in v)):
+                raise ScenarioError(
+                    source, "runtime.env", f"expected a [runtime.env] table of strings, got {v!r}"
+                )
+        elif f.name == "additional_config":
+            _check_additional_config(v, source)
         elif f.name == "user_specified_block_size":
             if not isinstance(v, bool):
                 raise ScenarioError(source, f"runtime.{f.name}", f"expected true or false, got {v!r}")
-        elif v is not None or f.name != "num_gpu_blocks_override":
+        elif v is not None or f.name not in ("num_gpu_blocks_override", "max_num_seqs"):
             minimum = 0 if f.name == "num_speculative_tokens" else 1
             if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
                 raise ScenarioError(
                     source, f"runtime.{f.name}", f"expected an integer >= {minimum}, got {v!r}"
                 )
+
+
+def _check_additional_config(text: Any, source: str) -> None:
+    """``additional_config`` must be the JSON text of a table (``--set additional_config='{...}'``)."""
+    try:
+        table = json.loads(text) if isinstance(text, str) else None
+    except json.JSONDecodeError:
+        table = None
+    if not isinstance(table, dict):
+        raise ScenarioError(
+            source, "runtime.additional_config", f"expected a JSON object (table), got {text!r}"
+        )
 
 
 _RUNTIME_CHOICES = {

@@ -514,20 +514,24 @@ def test_each_fixed_assertion_fails_on_a_wrong_formula(wrong: pytest.Pytester, b
         assert shown in failures[test], f"{backend}: {test} failed elsewhere:\n{failures[test][-2000:]}"
 
 
+@pytest.mark.parametrize("release", ["0.27", "0.33"])
+@pytest.mark.parametrize("folder", ["__snapshots__", "__snapshots_before_null_block_reserved__"])
 def test_goldens_fail_on_an_unused_snapshot(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, folder: str, release: str
 ) -> None:
-    """syrupy's default: a golden no test uses makes the run exit 1 (no --snapshot-warn-unused)."""
+    """syrupy's default: a golden no test uses makes the run exit 1 (no --snapshot-warn-unused), in
+    the folder of the judged release's goldens and in the other one (every run uses both)."""
     # Under xdist the inner run would inherit the worker id, and syrupy skips the unused check there.
     monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
     # a module name of its own: the outer session has already imported suites' test_history
     shutil.copy(REGRESSIONS / "test_kvconform_history.py", pytester.path / "test_history_copy.py")
     shutil.copy(REGRESSIONS / "conftest.py", pytester.path / "conftest.py")  # the golden fixture
-    goldens = pytester.path / "__snapshots__" / "test_history_copy"
-    shutil.copytree(REGRESSIONS / "__snapshots__" / "test_kvconform_history", goldens)
-    stale = goldens / "test_plan_golden[vllm-metal-0-removed].json"
+    for each in ("__snapshots__", "__snapshots_before_null_block_reserved__"):
+        copy = pytester.path / each / "test_history_copy"
+        shutil.copytree(REGRESSIONS / each / "test_kvconform_history", copy)
+    stale = pytester.path / folder / "test_history_copy" / "test_plan_golden[vllm-metal-0-removed].json"
     stale.write_text("{}\n")
-    result = pytester.runpytest("-k", "golden", "-p", "no:cacheprovider")
+    result = pytester.runpytest("-k", "golden", "-p", "no:cacheprovider", f"--kvconform-vllm={release}")
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     result.stdout.fnmatch_lines(["*1 snapshot unused*"])
     result.assert_outcomes(passed=11)

@@ -363,6 +363,62 @@ def test_unknown_expect_key(tmp_path):
     assert (err.key, err.problem) == ("expect.blocksize", "unknown key; expected a KVPlan field name")
 
 
+# --------------------------------------------------------------------------- [expect.before.<change>]
+
+
+def test_expect_before_states_the_values_of_releases_lacking_a_change(tmp_path):
+    from pytest_kvconform.reference.releases import rule_set
+
+    before = {"null_block_reserved": {"available_bytes": 200},
+              "speculative_retained_tokens": {"available_bytes": 300}}  # fmt: skip
+    data = mutate(mutate(BASE, "expect.available_bytes", 100), "expect.before", before)
+    s = load_scenario(write(tmp_path, data))
+    assert s.expect == {"block_size": 400, "available_bytes": 100}  # [expect] itself: newest rules
+    assert s.expect_before == before
+
+    def under(release):
+        return {k: v for k, v in s.expect_for(rule_set(release)).items() if k == "available_bytes"}
+
+    assert under("0.33") == under("0.29") == {"available_bytes": ("expect", 100)}
+    assert under("0.28") == {"available_bytes": ("expect.before.null_block_reserved", 200)}
+    # 0.27 lacks both changes: the older change's table (0.28's) is the one for releases before it
+    assert under("0.27") == {"available_bytes": ("expect.before.speculative_retained_tokens", 300)}
+    assert s.with_runtime(block_size=32).expect_before == {}
+
+
+def test_old_files_load_without_expect_before(tmp_path):
+    s = load_scenario(write(tmp_path, BASE))
+    assert s.expect_before == {}
+    from pytest_kvconform.reference.releases import rule_set
+
+    assert s.expect_for(rule_set("0.27")) == {"block_size": ("expect", 400)}
+
+
+@pytest.mark.parametrize(
+    ("before", "key", "problem"),
+    [
+        (3, "expect.before", "expected a table of [expect.before.<change>] tables"),
+        ({"null_block": {"block_size": 16}}, "expect.before.null_block", "unknown change; expected one of "
+         "speculative_retained_tokens, null_block_reserved, "),
+        ({"null_block_reserved": 3}, "expect.before.null_block_reserved",
+         "expected a non-empty table of KVPlan fields"),
+        ({"null_block_reserved": {}}, "expect.before.null_block_reserved",
+         "expected a non-empty table of KVPlan fields"),
+        ({"null_block_reserved": {"blocksize": 16}}, "expect.before.null_block_reserved.blocksize",
+         "unknown key; expected a KVPlan field name"),
+        ({"null_block_reserved": {"available_bytes": 16}},
+         "expect.before.null_block_reserved.available_bytes",
+         "not in [expect]; state its value under the newest rules there"),
+    ],
+    ids=["not-a-table", "unknown-change", "change-not-a-table", "empty", "unknown-field", "not-in-expect"],
+)  # fmt: skip
+def test_bad_expect_before(tmp_path, before, key, problem):
+    err = load_error(tmp_path, mutate(BASE, "expect.before", before))
+    assert err.key == key
+    assert err.problem.startswith(problem)
+    assert "\n" not in str(err)  # one line
+
+
 def test_mla_geometry_checks(tmp_path):
     mla = {"kind": "mla", "kv_lora_rank": 512, "qk_rope_head_dim": 64, "indexer_head_dim": 128}
     data = mutate(mutate(BASE, "model.attention", mla), "model.layers", "AAAA")

