@@ -21,5 +21,9 @@ else
     if [[ "$VENV" == .venv && "${KVCONFORM_VLLM_RELEASES:-1}" != 0 ]]; then
         bash scripts/install-vllm-releases.sh
     fi
+    # tpu-inference 0.32.0 in its own venv, .venv-tpu, for scripts/test.sh (KVCONFORM_TPU=0 skips it)
+    if [[ "$VENV" == .venv && "${KVCONFORM_TPU:-1}" != 0 ]]; then
+        bash scripts/install-tpu-inference.sh
+    fi
 fi
 "$VENV/bin/python" -c "import pytest_kvconform, mlx.core; print('pytest-kvconform', pytest_kvconform.__version__, 'installed in $VENV')"

@@ -6,8 +6,9 @@
 # backend on vLLM 0.29.0 (.venv-vllm029) and on vLLM 0.33.0's Python sources over the 0.32 CPU
 # runtime (.vllm-overlay/0.33), both from scripts/install-vllm-releases.sh, each judged by its own
 # release's rules (--kvconform-vllm defaults to the vLLM imported). Each of the three vLLM runs
-# asserts the release in its header. Extra arguments go to the first run. Exits non-zero if any
-# run fails.
+# asserts the release in its header. Last, tpu-inference 0.32.0 (.venv-tpu, from
+# scripts/install-tpu-inference.sh) through the vllm backend, its header naming the backend.
+# Extra arguments go to the first run. Exits non-zero if any run fails.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
@@ -48,4 +49,22 @@ PY=.venv-vllm029/bin/python VLLM_CACHE_ROOT=$VLLM_CACHE_ROOT/vllm-0.29 \
     run_vllm 0.29 pytest_kvconform/suites --kvconform-backend=vllm --kvconform-max-examples=10
 PYTHONPATH=.vllm-overlay/0.33 VLLM_TARGET_DEVICE=cpu VLLM_CACHE_ROOT=$VLLM_CACHE_ROOT/vllm-0.33 \
     run_vllm 0.33 pytest_kvconform/suites --kvconform-backend=vllm --kvconform-max-examples=10
+# tpu-inference 0.32.0 (.venv-tpu, scripts/install-tpu-inference.sh) driven by the vllm backend: its
+# departures are data in pytest_kvconform/xfails/tpu-inference.toml; the run's header must name the
+# backend. No property suite: nearly every generated input shows one of those departures.
+run_tpu() {
+    if [[ "$(uname -s)" == Darwin ]]; then echo "skipped on macOS: no vLLM for CPU"; return; fi
+    if [[ ! -x .venv-tpu/bin/python ]]; then
+        echo "tpu-inference is not installed: bash scripts/install-tpu-inference.sh"
+        [[ "${KVCONFORM_TPU:-1}" == 0 ]] || status=1
+        return
+    fi
+    echo "+ pytest $* (tpu-inference)"; local t=$SECONDS
+    VLLM_CACHE_ROOT=$VLLM_CACHE_ROOT/tpu .venv-tpu/bin/python -m pytest -p no:cacheprovider --benchmark-disable \
+        -n "${WORKERS:-2}" "$@" | tee "$log" || status=1
+    echo "(run took $((SECONDS - t)) s)"
+    grep -q "backend=tpu-inference (" "$log" || { echo "not the tpu-inference backend"; status=1; }
+}
+run_tpu pytest_kvconform/suites --ignore=pytest_kvconform/suites/test_kvconform_properties.py \
+    --kvconform-backend=tpu-inference --kvconform-xfails=pytest_kvconform/xfails/tpu-inference.toml
 exit $status

@@ -36,3 +36,13 @@ def test_install_sh_skips_vllm_on_macos() -> None:
     text = (SCRIPT.parent / "install.sh").read_text()
     darwin = text.split('if [[ "$(uname -s)" == Darwin ]]; then', 1)[1].split("else", 1)[0]
     assert "'.[metal,dev]'" in darwin and "install-vllm.sh" not in darwin
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="bash scripts")
+def test_install_sh_builds_the_tpu_venv_behind_its_switch() -> None:
+    """tpu-inference goes into .venv-tpu on Linux only, and KVCONFORM_TPU=0 skips it."""
+    text = (SCRIPT.parent / "install.sh").read_text()
+    darwin, linux = text.split('if [[ "$(uname -s)" == Darwin ]]; then', 1)[1].split("else", 1)
+    assert "install-tpu-inference.sh" not in darwin
+    assert '"${KVCONFORM_TPU:-1}" != 0 ]]; then\n        bash scripts/install-tpu-inference.sh' in linux
+    assert "VENV=${1:-.venv-tpu}" in (SCRIPT.parent / "install-tpu-inference.sh").read_text()

@@ -37,7 +37,9 @@ def test_unknown_backend_is_a_usage_error(pytester: pytest.Pytester) -> None:
     pytester.makepyfile("def test_x(): pass")
     result = pytester.runpytest("--kvconform-backend=nope")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["*unknown kvconform backend 'nope'; available: metal, reference, vllm*"])
+    result.stderr.fnmatch_lines(
+        ["*unknown kvconform backend 'nope'; available: metal, reference, tpu-inference, vllm*"]
+    )
 
 
 def test_broken_backend_import_shows_the_error(pytester: pytest.Pytester) -> None:

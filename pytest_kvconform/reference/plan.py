@@ -173,7 +173,10 @@ def compose_plan(rules: Any, scenario: Scenario, fallback: Any, trace: PlanTrace
     def per_token(spec: AttentionSpec) -> int:
         if spec not in per_token_of:
             first = not per_token_of
-            per_token_of[spec] = step("attention page", spec.with_block_size(1), record=first)
+            if spec.page_size_padded is None:
+                per_token_of[spec] = step("attention page", spec.with_block_size(1), record=first)
+            else:  # a page fixed by the backend (a plugin's own layout) holds block_size tokens
+                per_token_of[spec] = step("attention page", spec, record=first) // spec.block_size
         return per_token_of[spec]
 
     attn_per_token = per_token(kv[0]) if kv else 0

@@ -246,7 +246,7 @@ class VllmBackend(ReferenceBackend):
         if scenario.is_spec_level:
             raise UnsupportedByVllmError("a spec-level scenario has no model for vLLM to build")
         with self._scope(scenario) as platform:
-            return layers.rerun_hooks(scenario, platform)
+            return layers.rerun_hooks(scenario, platform, self.make_worker)
 
     def _inputs(self, specs: dict[str, KVCacheSpec], scenario: Scenario) -> tuple[Any, dict[str, Any]]:
         """The config and vLLM specs to plan ``specs`` with: the engine's own objects when

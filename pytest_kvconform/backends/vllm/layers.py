@@ -94,9 +94,13 @@ def _model_class(config: Any) -> Any:
 def build_engine_specs(
     scenario: Scenario, platform: type, make_worker: Callable[[Any, str], Any] | None = None
 ) -> EngineSpecs:
-    """The model's layers on ``meta``, ``update_block_size_for_backend``, then the worker
+    """In the engine's order (``UniProcExecutor._init_executor``: the worker, its device, its
+    model, then ``update_block_size_for_backend``): the worker
     (``make_worker(config, distributed_init_method)``; vLLM core's GPU worker by default) built
-    without a device and asked for its ``get_kv_cache_spec`` (:mod:`.worker`).
+    without a device, the model's layers on ``meta``, ``update_block_size_for_backend``, then the
+    worker's ``get_kv_cache_spec`` (:mod:`.worker`). A plugin's worker may prepare the config its
+    model is built under, as its ``init_device`` and ``load_model`` would (tpu-inference's sets
+    the ``quant_config`` that carries its runner's mesh).
 
     Call inside ``platform_scope(platform)``. Pieces that cannot run offline raise
     :class:`UnsupportedByVllmError` naming them.
@@ -112,6 +116,8 @@ def build_engine_specs(
     config = vllm_config(scenario, platform)
     groups = parallel_groups(rt.tensor_parallel_size, rt.decode_context_parallel_size)
     with LOCK, set_current_vllm_config(config), groups:
+        make_worker = make_worker or (lambda config, init: build_worker(resolve_worker(None), config, init))
+        worker = make_worker(config, f"file://{_DISTRIBUTED[0]}")
         try:
             with torch.device("meta"):
                 _model_class(config)(vllm_config=config, prefix="")
@@ -125,8 +131,6 @@ def build_engine_specs(
         platform_cls = type(current_platform)
         backends = non_ssm_backends(platform_cls, config)
         platform_cls.update_block_size_for_backend(config)
-        make_worker = make_worker or (lambda config, init: build_worker(resolve_worker(None), config, init))
-        worker = make_worker(config, f"file://{_DISTRIBUTED[0]}")
         specs = worker.get_kv_cache_spec()
     cache = config.cache_config
     mamba_block = cache.mamba_block_size if cache.mamba_block_size is not None else rt.max_model_len
@@ -134,7 +138,9 @@ def build_engine_specs(
     return EngineSpecs(config, dict(specs), choice, backends, worker)
 
 
-def rerun_hooks(scenario: Scenario, platform: type) -> dict[str, list[HookChange]]:
+def rerun_hooks(
+    scenario: Scenario, platform: type, make_worker: Callable[[Any, str], Any] | None = None
+) -> dict[str, list[HookChange]]:
     """What each config hook changes when it runs a second time on an engine it already
     configured: ``check_and_update_config`` on the built config, ``update_block_size_for_backend``
     after the model's layers exist. Both must change nothing (vllm-gaudi#1708: re-running the
@@ -143,7 +149,7 @@ def rerun_hooks(scenario: Scenario, platform: type) -> dict[str, list[HookChange
     from vllm.config import set_current_vllm_config
     from vllm.platforms import current_platform
 
-    engine = build_engine_specs(scenario, platform)
+    engine = build_engine_specs(scenario, platform, make_worker)
     platform_cls = type(current_platform)
     changes = {}
     rt = scenario.runtime

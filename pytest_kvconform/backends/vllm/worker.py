@@ -8,8 +8,10 @@ class is vLLM core's GPU worker (``vllm.v1.worker.gpu_worker:Worker``) by defaul
 
 * it is constructed as ``Worker(vllm_config=config, local_rank=0, rank=0,
   distributed_init_method="file://...", is_driver_worker=True)`` inside the platform's scope, on
-  the config the engine built: the platform's ``check_and_update_config`` ran, the model's layers
-  exist on the ``meta`` device (``compilation_config.static_forward_context``) and
+  the config the engine built (the platform's ``check_and_update_config`` ran), before the model,
+  in the engine's order (``UniProcExecutor._init_executor``: the worker, then its model, then
+  ``update_block_size_for_backend``); by ``get_kv_cache_spec`` the model's layers exist on the
+  ``meta`` device (``compilation_config.static_forward_context``) and
   ``update_block_size_for_backend`` ran;
 * ``init_device`` and ``load_model`` are never called: no device, no weights. If the worker has no
   ``model_runner`` after construction, it gets :class:`RunnerStandIn`: ``get_kv_cache_spec()`` is

@@ -1,0 +1,433 @@
+"""tpu-inference (vLLM's TPU plugin, ``pip install tpu-inference``) driven end to end by the
+``vllm`` backend on a CPU host: ``pytest pytest_kvconform/suites --kvconform-backend=tpu-inference``
+(``bash scripts/install-tpu-inference.sh`` builds the ``.venv-tpu`` it runs in).
+
+What answers is tpu-inference's own code: its platform
+(``tpu_inference.platforms.tpu_platform:TpuPlatform``: ``check_and_update_config`` picks the
+block size, ``update_block_size_for_backend`` skips vLLM's hybrid alignment), its worker
+(``tpu_inference.worker.tpu_worker:TPUWorker``: ``determine_available_memory`` sums the HBM of
+its devices, ``initialize_from_config`` allocates JAX arrays), and its model runner
+(``tpu_inference.runner.tpu_runner:TPUModelRunner``), whose ``get_kv_cache_spec`` is
+``runner/kv_cache_manager.py``'s ``KVCacheManager.get_kv_cache_spec`` (the TPU kernel's page
+layout, the uniform hybrid page, the compact Mamba pool). The model's layers are vLLM's, built
+on ``meta`` by the core path under tpu-inference's platform and its replacement layers, as
+tpu-inference's ``MODEL_IMPL_TYPE=vllm`` path builds them (``VllmModelWrapper``). Nothing of
+tpu-inference's sizing is re-implemented here.
+
+The device is a CPU JAX mesh of :data:`DEVICES` devices. Every piece the core path does not give
+is a shim of this module, named and explained where it is defined; none changes how
+tpu-inference computes a size:
+
+* :func:`environment`, before JAX or tpu_inference is imported: ``TPU_NAME``,
+  ``TPU_ACCELERATOR_TYPE``, ``TPU_WORKER_ID`` (else importing tpu_inference polls the GCE
+  metadata server, ``tpu_inference/tpu_info.py``), ``JAX_PLATFORMS=cpu``,
+  ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (the mesh's devices) and
+  ``SKIP_JAX_PRECOMPILE=1`` (``initialize_from_config`` would first JIT the sampler of a loaded
+  model);
+* :func:`torchax_named_tensor_overloads`: torchax 0.0.13 names ``Dimname`` overloads torch 2.13
+  removed;
+* :func:`vllm_c_already_loaded`: the ``import vllm._C`` at the top of ``tpu_platform.py``;
+* :func:`tokamax_gmm_v2_absent`: tokamax 0.0.12 (the newest for Python 3.11) lacks ``gmm_v2``;
+* :func:`cpu_device_coords`: ``make_optimized_mesh`` sorts devices by their TPU ``coords``;
+* :func:`device_memory`: the devices' ``memory_stats`` answer the scenario's budget;
+* :meth:`TpuInferenceBackend.make_worker`: the devices, the ``TPUModelRunner`` and the
+  ``quant_config`` that carries its mesh, as ``init_device`` and ``load_model`` make them.
+
+Declined with the reason (``RuleNotApplicable``), never answered: what tpu-inference refuses to
+start with for reasons that are not sizing (:func:`refusal`: an MLA model without
+``NEW_MODEL_DESIGN=1`` and DP attention, a KV cache dtype without a JAX type); vLLM's hybrid
+alignment, which tpu-inference never runs (``not_provided``); a pool of a few blocks where the
+engine pins its block count (:meth:`TpuInferenceBackend.allocate_kv_cache`). tpu-inference's
+departures from vLLM core are data, with their reasons, in
+``pytest_kvconform/xfails/tpu-inference.toml``; the differential property suite is not run for
+it (as for vLLM's CPU platform): nearly every generated input shows one of those departures.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import math
+import os
+import sys
+import types
+from collections.abc import Iterator, Mapping
+from typing import Any, ClassVar
+
+from ....errors import RuleNotApplicable
+from ..backend import VllmBackend
+from ..runtime import UnsupportedByVllmError, VllmUnavailableError, vllm_runtime
+
+#: tpu-inference's pieces, as ``package.module:Class``
+PLATFORM = "tpu_inference.platforms.tpu_platform:TpuPlatform"
+WORKER = "tpu_inference.worker.tpu_worker:TPUWorker"
+RUNNER = "tpu_inference.runner.tpu_runner:TPUModelRunner"
+
+INSTALL_HINT = "bash scripts/install-tpu-inference.sh (tpu-inference 0.32.0 in .venv-tpu)"
+
+#: CPU JAX devices of the mesh: a v6e-8 host has 8 chips (1 JAX device each)
+DEVICES = 8
+
+#: The environment tpu-inference reads at import, set before it is imported (values already
+#: set by the user are kept).
+ENVIRONMENT = {
+    "JAX_PLATFORMS": "cpu",
+    "TPU_NAME": "kvconform",
+    "TPU_ACCELERATOR_TYPE": f"v6e-{DEVICES}",
+    "TPU_WORKER_ID": "0",
+    # TPUWorker.initialize_from_config first JIT-compiles the sampler (to keep that memory out of
+    # the KV cache's way on a TPU); it needs a loaded model and sizes nothing
+    "SKIP_JAX_PRECOMPILE": "1",
+}
+
+
+def environment(devices: int = DEVICES) -> None:
+    """Shim: the variables of :data:`ENVIRONMENT`, and ``devices`` CPU devices for JAX
+    (``--xla_force_host_platform_device_count``). Must run before JAX initialises its backend."""
+    for name, value in ENVIRONMENT.items():
+        os.environ.setdefault(name, value)
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
+
+
+class RemovedOverload:
+    """A named-tensor overload this torch does not have: a key that matches no real op."""
+
+    def __init__(self, packet: str, name: str) -> None:
+        self.name = f"{packet}.{name}"
+
+    def __repr__(self) -> str:
+        return f"<removed overload {self.name}>"
+
+
+#: the named-tensor overloads torchax asked for that this torch lacks (filled while it imports)
+REMOVED_OVERLOADS: list[str] = []
+
+
+def _is_named_tensor_overload(name: str) -> bool:
+    return "dimname" in name.lower() or name.startswith("names_")
+
+
+@contextlib.contextmanager
+def torchax_named_tensor_overloads() -> Iterator[None]:
+    """Shim: while torchax is imported, ``torch.ops.aten.<op>.<named-tensor overload>`` that
+    torch no longer has answers a :class:`RemovedOverload`; every other lookup is untouched."""
+    from torch._ops import OpOverloadPacket
+
+    original = OpOverloadPacket.__getattr__
+
+    def lookup(self: Any, key: str) -> Any:
+        try:
+            return original(self, key)
+        except AttributeError:
+            if not _is_named_tensor_overload(key):
+                raise
+            REMOVED_OVERLOADS.append(f"{self._qualified_op_name}.{key}")
+            return RemovedOverload(self._qualified_op_name, key)
+
+    OpOverloadPacket.__getattr__ = lookup  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        OpOverloadPacket.__getattr__ = original  # type: ignore[method-assign]
+
+
+def vllm_c_already_loaded() -> None:
+    """Shim: ``import vllm._C`` answers as the kernel library vLLM already loaded, when that
+    library registered the ``_C`` namespace (a second ``TORCH_LIBRARY(_C)`` aborts)."""
+    import torch
+
+    if "vllm._C" in sys.modules:
+        return
+    registered = hasattr(torch.ops, "_C") and hasattr(torch.ops._C, "rms_norm")
+    if registered:
+        module = types.ModuleType("vllm._C", "the _C ops vLLM's CPU build already registered")
+        sys.modules["vllm._C"] = module
+
+
+#: the tokamax module tpu-inference 0.32 imports its grouped matmul from (tokamax >= 0.0.13)
+GMM_V2 = "tokamax._src.ops.experimental.gmm_v2.gmm_v2"
+
+
+def tokamax_gmm_v2_absent() -> None:
+    """Shim: tokamax 0.0.12 (the last for Python 3.11) has no ``gmm_v2``, which
+    ``tpu_inference/layers/common/linear.py`` and ``fused_moe_gmm.py`` import at module level
+    (tpu-inference 0.32 pins tokamax 0.0.17, Python >= 3.12). The grouped matmul kernel sizes
+    nothing: when the module is absent it is a module whose ``gmm_v2`` and
+    ``calculate_tiling`` raise if ever called."""
+    try:
+        importlib.import_module(GMM_V2)
+        return
+    except ImportError:
+        pass
+
+    def absent(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(f"{GMM_V2} is not in the installed tokamax (a kernel; sizing never runs it)")
+
+    package = types.ModuleType(GMM_V2.rpartition(".")[0])
+    package.__path__ = []  # a package
+    module = types.ModuleType(GMM_V2, "tokamax's gmm_v2, absent from tokamax 0.0.12")
+    module.gmm_v2 = absent  # type: ignore[attr-defined]
+    module.calculate_tiling = absent  # type: ignore[attr-defined]
+    package.gmm_v2 = module  # type: ignore[attr-defined]
+    sys.modules[package.__name__] = package
+    sys.modules[GMM_V2] = module
+
+
+def cpu_device_coords() -> None:
+    """Shim: a TPU device has ``coords``, its chip's place in the slice, which
+    ``tpu_inference.utils.make_optimized_mesh`` sorts the devices by before it lays out the
+    mesh; a CPU JAX device has none. CPU devices get ``coords = (id, 0, 0)``, a row of chips:
+    the order of the devices in the mesh sizes nothing (its shape does)."""
+    import jax
+
+    device_cls = type(jax.devices()[0])
+    if not hasattr(device_cls, "coords"):
+        device_cls.coords = property(lambda self: (self.id, 0, 0))  # type: ignore[attr-defined]
+
+
+_PREPARED: list[bool] = []
+
+
+def prepare() -> None:
+    """The shims that precede tpu-inference's import, once per process, then its import."""
+    if _PREPARED:
+        return
+    environment()
+    vllm_runtime()  # vLLM first: its CPU build loads the kernels of this CPU
+    vllm_c_already_loaded()
+    tokamax_gmm_v2_absent()
+    cpu_device_coords()
+    device_memory()
+    with torchax_named_tensor_overloads():
+        importlib.import_module("torchax")
+        importlib.import_module("tpu_inference.platforms.tpu_platform")
+        importlib.import_module(RUNNER.partition(":")[0])
+    _PREPARED.append(True)
+
+
+# ---------------------------------------------------------------------------- device memory
+
+
+def hbm_stats(budget: int, utilization: float) -> dict[str, int]:
+    """One device's ``memory_stats``: ``bytes_limit * utilization - bytes_in_use`` is ``budget``
+    exactly, in the float arithmetic of ``TPUWorker.determine_available_memory``."""
+    limit = math.ceil(budget / utilization) + 1
+    in_use = int(limit * utilization - budget)
+    for used in (in_use - 1, in_use, in_use + 1, in_use + 2):
+        if used >= 0 and int(limit * utilization - used) == budget:
+            return {"bytes_limit": limit, "bytes_in_use": used}
+    raise UnsupportedByVllmError(f"no HBM size gives {budget} B at utilization {utilization}")
+
+
+def device_memory() -> None:
+    """Shim: a JAX device's ``memory_stats()`` answers for the engine being configured (vLLM's
+    current config): each device's HBM, at ``gpu_memory_utilization`` and less what is in use,
+    leaves the config's ``kv_cache_memory_bytes`` for the KV cache (:func:`hbm_stats`). The
+    scenario's budget is per device, as ``--kv-cache-memory-bytes`` is per GPU worker: a GPU
+    worker drives one tensor-parallel rank, TPUWorker all of them (SPMD), and sums its devices.
+    Outside an engine's config, or on one without a budget, it answers as a CPU device does
+    (None)."""
+    import jax
+    from vllm.config import vllm as vllm_config_module
+
+    device_cls = type(jax.devices()[0])
+    original = device_cls.memory_stats
+    if getattr(original, "kvconform_shim", False):
+        return
+
+    def memory_stats(self: Any) -> Any:
+        config = getattr(vllm_config_module, "_current_vllm_config", None)
+        cache = getattr(config, "cache_config", None)
+        tpu_config = getattr(config, "sharding_config", None) is not None  # TpuPlatform configured it
+        if cache is None or not tpu_config or not cache.kv_cache_memory_bytes:
+            return original(self)
+        return hbm_stats(int(cache.kv_cache_memory_bytes), float(cache.gpu_memory_utilization))
+
+    memory_stats.kvconform_shim = True  # type: ignore[attr-defined]
+    device_cls.memory_stats = memory_stats
+
+
+# ---------------------------------------------------------------------------- refusals
+
+#: TpuPlatform.check_and_update_config's condition for MLA models
+MLA_REFUSAL = (
+    "TpuPlatform.check_and_update_config raises ValueError for an MLA model unless NEW_MODEL_DESIGN=1 "
+    "([runtime.env]) and DP attention ([runtime.additional_config] "
+    "sharding.sharding_strategy.enable_dp_attention = true) are set"
+)
+DTYPE_REFUSAL = (
+    "tpu-inference has no JAX type for kv_cache_dtype {dtype!r} (TPUModelRunner._init_inputs -> "
+    "tpu_inference.utils.to_jax_dtype: {error}): the engine cannot start"
+)
+
+
+def refusal(exc: BaseException) -> str | None:
+    """Why tpu-inference refuses to start, when ``exc`` is one of its start-up refusals that are
+    not about sizing: the MLA requirement of ``TpuPlatform.check_and_update_config``, a KV
+    cache dtype without a JAX type."""
+    text = str(exc)
+    if "MLA models require both the NEW_MODEL_DESIGN=1" in text:
+        return f"tpu-inference refuses it: {MLA_REFUSAL}"
+    if "data type" in text and "not understood" in text:
+        return f"tpu-inference refuses it: {text.strip().splitlines()[-1]}"
+    return None
+
+
+def _dp_attention(rt: Any) -> bool:
+    sharding = rt.additional_config_dict.get("sharding", {})
+    return bool(sharding.get("sharding_strategy", {}).get("enable_dp_attention", False))
+
+
+# ---------------------------------------------------------------------------- the backend
+
+
+class TpuInferenceBackend(VllmBackend):
+    """tpu-inference 0.32 (platform, worker, runner) on vLLM 0.32's CPU build, CPU JAX mesh."""
+
+    name: ClassVar[str] = "tpu-inference"
+    platform: ClassVar[type | str | None] = PLATFORM
+    worker: ClassVar[type | str | None] = WORKER
+    #: TPUWorker.initialize_from_config allocates the pool (JAX arrays on the CPU mesh)
+    capabilities: ClassVar[frozenset[str]] = VllmBackend.capabilities | {"allocation"}
+    not_provided: ClassVar[Mapping[str, str]] = {
+        **VllmBackend.not_provided,
+        "hybrid_alignment": (
+            "TpuPlatform.update_block_size_for_backend never runs Platform._align_hybrid_block_size "
+            "(removed by design, tpu-inference #2090 -> #2627): the hybrid page is unified by "
+            "KVCacheManager.update_mamba_page_size_padded, checked by the layer specs and the plan"
+        ),
+    }
+    #: vLLM core's known bugs stay the vllm backend's; tpu-inference's departures are data in
+    #: pytest_kvconform/xfails/tpu-inference.toml
+    known_failures: ClassVar[Mapping[str, str]] = {}
+
+    def __init__(
+        self,
+        platform: type | str | None = None,
+        cpu_features: str = "native",
+        worker: type | str | None = None,
+    ) -> None:
+        import importlib.util
+
+        if importlib.util.find_spec("tpu_inference") is None:
+            raise VllmUnavailableError(f"tpu-inference is not installed: {INSTALL_HINT}")
+        environment()
+        super().__init__(platform=platform, cpu_features=cpu_features, worker=worker)
+
+    def notes(self) -> list[str]:
+        from importlib.metadata import version
+
+        return [
+            *super().notes(),
+            f"tpu-inference {version('tpu-inference')}, CPU JAX mesh of {DEVICES} devices",
+        ]
+
+    def platform_for(self, scenario: Any) -> type:
+        prepare()
+        return super().platform_for(scenario)
+
+    @contextlib.contextmanager
+    def _scope(self, scenario: Any) -> Iterator[type]:
+        """The vllm backend's scope; what tpu-inference refuses to start with is declined with
+        its own words (:func:`refusal`), not compared as a sizing rejection."""
+        try:
+            with super()._scope(scenario) as platform:
+                yield platform
+        except (TypeError, ValueError) as exc:
+            reason = refusal(exc)
+            if reason is None:
+                raise
+            raise UnsupportedByVllmError(reason) from exc
+
+    def unsupported(self, scenario: Any) -> str | None:
+        """The vllm backend's discards, then what tpu-inference refuses to start with (an MLA
+        model without ``NEW_MODEL_DESIGN=1`` and DP attention, a KV cache dtype it has no JAX
+        type for)."""
+        reason = super().unsupported(scenario)
+        if reason is not None or scenario.is_spec_level:
+            return reason
+        model, rt = scenario.model, scenario.runtime
+        if model.use_mla and not (dict(rt.env).get("NEW_MODEL_DESIGN") and _dp_attention(rt)):
+            return f"tpu-inference refuses it: {MLA_REFUSAL}"
+        prepare()
+        from tpu_inference.utils import to_jax_dtype
+
+        dtype = rt.kv_cache_dtype if rt.kv_cache_dtype != "auto" else model.dtype
+        try:
+            to_jax_dtype(dtype)
+        except TypeError as exc:
+            return f"tpu-inference refuses it: {DTYPE_REFUSAL.format(dtype=dtype, error=exc)}"
+        return None
+
+    def make_worker(self, config: Any, distributed_init_method: str) -> Any:
+        """Shim: TPUWorker on ``config`` (the worker contract), then what ``TPUWorker.init_device``
+        and ``TPUModelRunner.load_model`` make before any spec is asked, and nothing else of them:
+        the devices (``jax.devices()[:sharding_config.total_devices]``), ``topology_order_id``
+        (the rank, on a single host), the ``TPUModelRunner`` (rank 0, first and last pipeline
+        rank; it builds the mesh and the ``KVCacheManager``), and, as
+        ``VllmModelWrapper.__init__`` does, ``config.quant_config =
+        get_tpu_quantization_config(config, mesh)``, which tpu-inference's replacement layers
+        (``tpu_inference.layers.vllm``, registered process-wide) read while the core path builds
+        the model on ``meta`` after this call. Without the distributed init of ``init_device``
+        (the core path has its own process group) and without weights."""
+        import jax
+
+        module_name, _, attr = RUNNER.partition(":")
+        runner_cls = getattr(importlib.import_module(module_name), attr)
+        worker_module, _, worker_attr = (self._worker_arg or WORKER).partition(":")
+        worker_cls = getattr(importlib.import_module(worker_module), worker_attr)
+        worker = worker_cls(
+            vllm_config=config, local_rank=0, rank=0, distributed_init_method=distributed_init_method,
+            is_driver_worker=True,
+        )  # fmt: skip
+        total = config.sharding_config.total_devices
+        if total > len(jax.devices()):
+            raise UnsupportedByVllmError(
+                f"the mesh needs {total} devices; this CPU JAX has {len(jax.devices())}"
+            )
+        worker.devices = jax.devices()[:total]
+        worker.topology_order_id = worker.rank  # init_device on a single host
+        try:
+            worker.model_runner = runner_cls(config, worker.devices, worker.rank, True, True)
+        except TypeError as exc:  # a KV cache dtype without a JAX type
+            dtype = config.cache_config.cache_dtype
+            raise UnsupportedByVllmError(DTYPE_REFUSAL.format(dtype=dtype, error=exc)) from exc
+        # TPUModelRunner.load_model -> VllmModelWrapper.__init__: the model's layers are built
+        # under a quant_config that carries the runner's mesh
+        from tpu_inference.layers.vllm.quantization import get_tpu_quantization_config
+
+        config.quant_config = get_tpu_quantization_config(config, worker.model_runner.mesh)
+        return worker
+
+    def allocate_kv_cache(self, plan: Any, num_blocks: int, scenario: Any) -> Any:
+        """TPUWorker.initialize_from_config on vLLM's KVCacheConfig of ``num_blocks`` blocks,
+        unless the engine pins its pool: then vLLM's KVCacheConfig has the pinned count whatever
+        memory it is given, and tpu-inference allocates a Mamba slot pool of its own, so a pool
+        of a few blocks cannot be asked (the full pool is the scenario's budget)."""
+        engine = self.engine(scenario)
+        pinned = engine.config.cache_config.num_gpu_blocks_override
+        if pinned is not None:
+            manager = engine.worker.model_runner.kv_cache_manager
+            who = (
+                "the scenario pins"
+                if scenario.runtime.num_gpu_blocks_override is not None
+                else "KVCacheManager._maybe_set_compact_mamba_num_blocks_override pinned"
+            )
+            raise RuleNotApplicable(
+                f"{who} num_gpu_blocks_override = {pinned} (Mamba pool "
+                f"{manager._mamba_num_blocks} slots per Mamba layer): vLLM's KVCacheConfig has "
+                f"{pinned} blocks whatever memory it is given, a pool of {num_blocks} cannot be asked "
+                f"and the full one is {scenario.runtime.kv_cache_memory_bytes / 2**30:.1f} GiB"
+            )
+        # the few blocks are the engine's own (vLLM's planner on tpu-inference's specs), not the
+        # reference plan's: tpu-inference's blocks may be larger (specs global over TP devices)
+        own = self.check_memory(self.layer_specs(scenario), scenario).bytes_per_block
+        return super().allocate_kv_cache(dataclasses.replace(plan, bytes_per_block=own), num_blocks, scenario)
+
+
+__all__ = ["TpuInferenceBackend", "cpu_device_coords", "device_memory", "environment", "hbm_stats", "prepare",
+           "refusal", "tokamax_gmm_v2_absent", "torchax_named_tensor_overloads",
+           "vllm_c_already_loaded"]  # fmt: skip
