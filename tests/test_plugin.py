@@ -313,10 +313,11 @@ def test_an_empty_backend_is_inherited_not_passed(backends: pytest.Pytester) -> 
 
 def test_strict_fails_a_run_with_undeclared_inherited_rules(backends: pytest.Pytester) -> None:
     args = (RULES_SUITE, "-k", "dtype", "--kvconform-strict", "-p", "no:cacheprovider")
-    result = backends.runpytest(*args, "--kvconform-backend=somebackends:Mine")
+    # subprocesses: two in-process runs of one test share the plugin's modules
+    result = backends.runpytest_subprocess(*args, "--kvconform-backend=somebackends:Mine")
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     result.stdout.fnmatch_lines(["--kvconform-strict: inherited and not declared: dtype"])
-    declared = backends.runpytest(*args, "--kvconform-backend=somebackends:Declared")
+    declared = backends.runpytest_subprocess(*args, "--kvconform-backend=somebackends:Declared")
     assert declared.ret == 0
     declared.stdout.fnmatch_lines(
         ["inherited dtype: * (declared: our platform takes vLLM core's dtype table)"]
@@ -324,7 +325,7 @@ def test_strict_fails_a_run_with_undeclared_inherited_rules(backends: pytest.Pyt
 
 
 def test_a_failure_names_rule_backend_scenario_and_field(backends: pytest.Pytester) -> None:
-    result = backends.runpytest(
+    result = backends.runpytest_subprocess(
         RULES_SUITE,
         "--kvconform-backend=somebackends:Broken",
         "-k",
