@@ -9,7 +9,6 @@ applicable skips (``pytest.skip``), a backend that raises fails (``pytest.fail``
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -284,22 +283,18 @@ def scenario_checks(reference: Any, scenario: Scenario) -> list[Comparison]:
     sid = scenario_id(scenario)
     out: list[Comparison] = []
     for check in CHECKS:
-        if check.rule == "plan" and check.test == "test_plan":
+        if check.test == "test_plan":
             block = reference_block(reference, scenario)
             if block is not None:
                 out.append(Comparison("kernel_block", f"test_kernel_block_size[{block}]",
                                       lambda b, r, s, n=block: kernel_block_size(b, r, n)))  # fmt: skip
-        for p in check.params:
-            run = functools.partial(_run_with, check.run, param=p)
-            out.append(Comparison(check.rule, f"{check.test}[{sid}-{p}]", run))
         if check.params:
-            continue
-        out.append(Comparison(check.rule, f"{check.test}[{sid}]", check.run))
+            out += [Comparison(check.rule, f"{check.test}[{sid}-{p}]",
+                               lambda b, r, s, run=check.run, p=p: run(b, r, s, p))
+                    for p in check.params]  # fmt: skip
+        else:
+            out.append(Comparison(check.rule, f"{check.test}[{sid}]", check.run))
     return out
-
-
-def _run_with(run: Callable[..., None], backend: Any, reference: Any, scenario: Scenario, param: Any) -> None:
-    run(backend, reference, scenario, param)
 
 
 def reference_block(reference: Any, scenario: Scenario) -> int | None:

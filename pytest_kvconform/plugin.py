@@ -426,12 +426,12 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     session = _session(config)
     if not session.matrix or hasattr(config, "workerinput"):
         return
-    from .report import format_answers, format_matrix, write_report
+    from .report import answers_of, format_answers, format_matrix, write_report
 
     terminalreporter.section(f"kvconform: backend {session.backend.name} vs reference")
     for line in format_matrix(session.matrix):
         terminalreporter.write_line(line)
-    answers = format_answers(session.answers)
+    answers = format_answers(answers_of(session.records))
     if answers:
         terminalreporter.write_line("the backend's answers, by whose code gave them:")
         for line in answers:

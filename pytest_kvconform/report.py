@@ -67,7 +67,7 @@ def answers_of(records: Iterable[Mapping[str, Any]]) -> dict[str, Counter[str]]:
 def format_steps(steps: Mapping[str, Counter[str]]) -> list[str]:
     """One line per plan step (``family.method``): its answers by who gave them."""
     width = max((len(step) for step in steps), default=0)
-    return [f"{step:<{width}}  " + ", ".join(f"{counts[k]} {v}" for k, v in ANSWERED_BY.items())
+    return [f"{step:<{width}}  " + ", ".join(f"{n} {name}" for name, n in _by_name(counts).items())
             for step, counts in steps.items()]  # fmt: skip
 
 

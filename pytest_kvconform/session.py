@@ -40,8 +40,6 @@ class KVConformSession:
         self.release_option = config.getoption("kvconform_vllm") or config.getini("kvconform_vllm")
         self._scenarios: list[Scenario] | None = None
         self.matrix: dict[str, Counter[str]] = defaultdict(Counter)
-        #: rule family -> who answered ("backend", "inherited", "reference") -> backend answers
-        self.answers: dict[str, Counter[str]] = defaultdict(Counter)
         #: plan step ("family.method") -> who answered -> answers, over the plan tests
         self.plan_steps: dict[str, Counter[str]] = defaultdict(Counter)
         #: rule family -> rule reached -> generated inputs compared that reached it
@@ -85,7 +83,6 @@ class KVConformSession:
             if outcome == "passed" and properties.get("kvconform_inherited"):
                 outcome = "inherited"  # every answer compared was the reference's code
             self.matrix[str(rule)][outcome] += 1
-            self.answers[str(rule)].update(properties.get("kvconform_answers", {}))
             for step, counts in properties.get("kvconform_steps", {}).items():
                 self.plan_steps[step].update(counts)
             self.matrix[str(rule)]["generated"] += int(properties.get("kvconform_generated", 0))
