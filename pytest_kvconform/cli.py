@@ -1,14 +1,20 @@
 """``kvconform``: plan a scenario from the command line.
 
-kvconform plan granite-4.0-h-tiny --set max_model_len=2048 --json
-kvconform check --backend metal [SCENARIO|FILE|DIR ...] [--json] [--report PATH]
-kvconform explain granite-4.0-h-tiny [--backend X] [--svg block.svg]
+kvconform plan granite-4.0-h-tiny --set max_model_len=2048 [--vllm 0.29] --json
+kvconform check --backend metal [SCENARIO|FILE|DIR ...] [--vllm RELEASE] [--json] [--report PATH]
+kvconform explain granite-4.0-h-tiny [--backend X] [--vllm RELEASE] [--svg block.svg]
+kvconform diff granite-4.0-h-tiny --vllm 0.27 --vllm 0.33 [--set KEY=VALUE] [--json]
 kvconform list
 
-Exit status: 0 done (``check``: no departure); 1 the rules reject the scenario (as the engine
-would refuse to start), or ``check``/``explain --backend`` found a departure; 2 an error,
-printed on one line: a bad scenario, file or ``--set``, a backend that cannot be resolved,
-cannot answer this input or raised.
+``--vllm RELEASE``: the vLLM release whose rules the reference (and a backend built on it)
+applies; default: the installed vLLM's release, else the newest. ``diff`` plans with the
+reference's rules of both releases and names, per changed field, the sizing changes of
+``reference.releases.CHANGES`` between them that move it.
+
+Exit status: 0 done (``check``: no departure; ``diff``: whatever changed); 1 the rules reject the
+scenario (as the engine would refuse to start), or ``check``/``explain --backend`` found a
+departure; 2 an error, printed on one line: a bad scenario, file, ``--set`` or ``--vllm``, a
+backend that cannot be resolved, cannot answer this input or raised.
 """
 
 from __future__ import annotations
@@ -16,11 +22,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from .backends.registry import with_release
 from .scenario import RuntimeSettings, ScenarioError, load_scenario, packaged_scenario_names
 
 _RUNTIME_KEYS = tuple(f.name for f in dataclasses.fields(RuntimeSettings))
@@ -91,7 +99,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from .errors import REJECTIONS
 
     scenario = _scenario(args)
-    backend = _backend(args)
+    backend = with_release(_backend(args), _release(args)[0])
     try:
         result = _plan(backend, scenario).to_dict()
     except REJECTIONS as exc:  # a valid scenario that vLLM's own rules reject (e.g. a TP split)
@@ -102,25 +110,30 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _release(args: argparse.Namespace) -> tuple[Any, str]:
+    """``--vllm``'s rule set (default: the installed vLLM's release, else the newest) and why."""
     from .session import selected_release
 
     try:
         return selected_release(args.vllm or "")
     except ValueError as exc:
-        raise CliError(f"--vllm: {exc}") from None
+        raise _bad_release(exc) from None
+
+
+def _bad_release(exc: ValueError) -> CliError:
+    """``--vllm``'s one-line error, naming the releases that have a rule set."""
+    from .reference.releases import RELEASES
+
+    known = "" if "known releases" in str(exc) else f"; known releases {', '.join(RELEASES)}"
+    return CliError(f"--vllm: {exc}{known}")
 
 
 def _judged(args: argparse.Namespace) -> tuple[Any, Any, tuple[Any, str]]:
     """The backend under check and the reference, both with the selected release's rules."""
     from .backends.base import ReferenceBackend
-    from .reference.rules import ReferenceRules
 
     release = _release(args)
-    backend, reference = _backend(args), ReferenceBackend()
-    for rules in (backend, reference):
-        if isinstance(rules, ReferenceRules):
-            rules.release = release[0]
-    return backend, reference, release
+    backend = with_release(_backend(args), release[0])
+    return backend, with_release(ReferenceBackend(), release[0]), release
 
 
 def _scenarios(items: Sequence[str]) -> list[Any]:
@@ -247,14 +260,127 @@ def cmd_explain(args: argparse.Namespace) -> int:
     return 1
 
 
+def _plan_values(rules: Any, scenario: Any) -> dict[str, Any]:
+    """The plan's fields as ``kvconform plan --json`` prints them, after ``"plan": "accepted"``;
+    a rejection (the engine would refuse to start) is ``{"plan": "rejected: Type: message"}``."""
+    from .errors import REJECTIONS
+
+    try:
+        return {"plan": "accepted", **_plan(rules, scenario).to_dict()}
+    except REJECTIONS as exc:
+        return {"plan": f"rejected: {type(exc).__name__}" + (f": {exc}" if str(exc) else "")}
+
+
+def _changed(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """The fields that differ: ``plan`` alone when either side is rejected."""
+    if a["plan"] != "accepted" or b["plan"] != "accepted":
+        return ["plan"] if a["plan"] != b["plan"] else []
+    return [k for k in a if a[k] != b.get(k)]
+
+
+def _diff_document(scenario: Any, old: Any, new: Any) -> dict[str, Any]:
+    """The plans of ``scenario`` under rule sets ``old`` and ``new`` and, per changed field, the
+    changes between them that move it: those that move it alone, added to ``old`` or left out of
+    ``new`` (the second catches a field only a combination moves: each change of it is named)."""
+    from .backends.base import ReferenceBackend
+    from .checks import scenario_id
+    from .reference.releases import CHANGES
+
+    def values(rules: Any) -> dict[str, Any]:
+        return _plan_values(with_release(ReferenceBackend(), rules), scenario)
+
+    between = sorted((c for c in CHANGES if old.has(c.name) != new.has(c.name)),
+                     key=lambda c: tuple(int(x) for x in c.since.split(".")))  # fmt: skip
+    a, b = values(old), values(new)
+    fields = _changed(a, b)
+    # accepted at one release, rejected at the other: what moves "plan" is what flips that (a
+    # rejection's text may name values other changes move)
+    flips = (a["plan"] == "accepted") != (b["plan"] == "accepted")
+
+    def seen(plan: dict[str, Any], field: str) -> Any:
+        return plan["plan"] == "accepted" if flips else plan.get(field)
+
+    moves: dict[str, set[str]] = {}
+    for change in between if fields else ():
+        moved = set()
+        for base, plan in ((old, a), (new, b)):
+            toggled = values(base.toggled(change.name))
+            moved |= {f for f in fields if f in toggled and seen(toggled, f) != seen(plan, f)}
+        moves[change.name] = moved
+    changes = [
+        {"field": f, "from": a[f], "to": b[f],
+         "causes": [{"name": c.name, "since": c.since, "where": c.where} for c in between
+                    if f in moves[c.name]]}
+        for f in fields
+    ]  # fmt: skip
+    return {"scenario": scenario_id(scenario), "from": old.release, "to": new.release, "changes": changes,
+            "considered": [c.name for c in between]}  # fmt: skip
+
+
+def _cell(value: Any) -> str:
+    """A value on one line: the first line of a many-line rejection, then ``...``."""
+    lines = str(value).splitlines() or [""]
+    return lines[0] + (" ..." if len(lines) > 1 else "")
+
+
+def _diff_text(doc: dict[str, Any]) -> list[str]:
+    """The aligned table of :func:`_diff_document`, then each cause named once with its rule."""
+    from .reference.releases import CHANGES
+
+    head = f"{doc['scenario']}: reference plan, vLLM {doc['from']} -> {doc['to']} rules"
+    considered = ", ".join(doc["considered"]) or "none"
+    if not doc["changes"]:
+        return [f"{head}: no change (sizing changes between them: {considered})"]
+    rows = [("field", f"vLLM {doc['from']}", f"vLLM {doc['to']}", "moved by")] + [
+        (c["field"], _cell(c["from"]), _cell(c["to"]),
+         ", ".join(x["name"] for x in c["causes"])
+         or f"no single change explains it (sizing changes between them: {considered})")
+        for c in doc["changes"]
+    ]  # fmt: skip
+    widths = [min(max(len(r[i]) for r in rows), 40) for i in range(3)]
+    count = len(doc["changes"])
+    lines = [f"{head}: {count} field{'s' if count > 1 else ''} changed"]
+    lines += ["  ".join(f"{cell:<{w}}" for cell, w in zip(r[:3], widths, strict=True)) + f"  {r[3]}"
+              for r in rows]  # fmt: skip
+    by_name = {c.name: c for c in CHANGES}
+    named = {x["name"] for c in doc["changes"] for x in c["causes"]}
+    for change in (by_name[name] for name in doc["considered"] if name in named):
+        lines += [f"{change.name} (vLLM {change.since}): {change.where}", f"  {change.rule}"]
+    return lines
+
+
+def _rule_sets(args: argparse.Namespace) -> tuple[Any, Any]:
+    """``diff``'s two ``--vllm`` rule sets: the release moved from, the one moved to."""
+    from .reference.releases import RELEASES, rule_set
+
+    if len(args.vllm) != 2:
+        raise CliError(
+            f"--vllm: give it twice, the release to move from and the one to move to (known releases "
+            f"{', '.join(RELEASES)})"
+        )
+    try:
+        old, new = (rule_set(v) for v in args.vllm)
+    except ValueError as exc:
+        raise _bad_release(exc) from None
+    return old, new
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    """The scenario's plan under two releases' rules; exit 0 whatever changed."""
+    old, new = _rule_sets(args)
+    document = _diff_document(_scenario(args), old, new)
+    print(json.dumps(document, indent=2) if args.json else "\n".join(_diff_text(document)))
+    return 0
+
+
 def _add_backend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="reference", help="backend to plan with (default: reference)")
     p.add_argument("--backend-option", dest="backend_options", action="append", default=[],
                    metavar="KEY=VALUE",
                    help="keyword argument for the backend's constructor; repeatable")  # fmt: skip
     p.add_argument("--vllm", metavar="RELEASE", default=None,
-                   help="judge by this vLLM release's rules (default: the installed vLLM's, else "
-                        "the newest)")  # fmt: skip
+                   help="the vLLM release whose rules the reference (and a backend built on it) "
+                        "applies (default: the installed vLLM's, else the newest)")  # fmt: skip
 
 
 def parser() -> argparse.ArgumentParser:
@@ -286,6 +412,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--svg", metavar="FILE", help="draw one pool block (pages and padding) of a hybrid")
     _add_backend_args(p)
     p.set_defaults(run=cmd_explain)
+    p = sub.add_parser("diff", help="a scenario's plan under one vLLM release's rules and another's")
+    p.add_argument("scenario")
+    p.add_argument("--vllm", metavar="RELEASE", action="append", default=[],
+                   help="give it twice: the release to move from, then the one to move to")  # fmt: skip
+    p.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a [runtime] setting; repeatable")  # fmt: skip
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.set_defaults(run=cmd_diff)
     sub.add_parser("list", help="list the packaged scenarios").set_defaults(
         run=lambda args: print("\n".join(packaged_scenario_names())) or 0
     )
@@ -303,6 +437,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvconform: bad scenario: {exc}", file=sys.stderr)
     except CliError as exc:
         print(f"kvconform: {exc}", file=sys.stderr)
+    except BrokenPipeError:  # the reader stopped early (``kvconform plan ... | head``)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 0
     return 2
 
 

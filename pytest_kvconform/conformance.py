@@ -71,7 +71,7 @@ def _ask(backend: Any, method: str, *inputs: Any, scenario: Scenario | None) -> 
     if isinstance(answer.error, RuleNotApplicable):
         pytest.skip(f"[{rule}] backend {backend.name!r} cannot answer this input: {answer.error}")
     if not provenance.is_oracle(backend):
-        provenance.current().record(rule, method, answer.by)
+        provenance.current().record(rule, method, answer.by, pid=answer.pid)
     return answer
 
 
@@ -109,8 +109,7 @@ def plan_with_trace(backend: Any, scenario: Scenario, reference: Any) -> Any:
     from .reference.plan import compose_plan
 
     skip_if_not_provided(backend, "plan")
-    code = getattr(getattr(type(backend), "plan", None), "__code__", None)
-    if code is None or not provenance.is_reference_code(code.co_filename):
+    if not provenance.composes_plan(backend):
         return call_rule(backend, "plan", scenario=scenario)
     try:
         return compose_plan(backend, scenario, reference)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from .session import ENV_BACKEND, KVConformSession, resolve, session_key
+from .session import ENV_BACKEND, KVConformSession, process_of, resolve, session_key
 
 # The shipped suites compare through these helpers: rewrite their asserts, so that a failing
 # golden shows syrupy's diff and a failing comparison its values.
@@ -101,10 +101,17 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "and the backend does not declare it in `inherits`",
     )
     group.addoption(
+        "--kvconform-isolate",
+        action="store_true",
+        default=False,
+        help="build the backend in a process of its own (automatic for a backend that declares "
+        "registers_process_wide), so what its plugin registers process-wide stays there",
+    )
+    group.addoption(
         "--kvconform-vllm",
         default=None,
         metavar="RELEASE",
-        help="judge by the sizing rules of this vLLM release (0.27 ... 0.33; default: the installed "
+        help="judge by the sizing rules of this vLLM release (0.23 ... 0.33; default: the installed "
         "vLLM's, else the newest; ini: kvconform_vllm)",
     )
     group.addoption(
@@ -189,6 +196,9 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     notes = backend.notes() if callable(getattr(backend, "notes", None)) else []
     if session.backend_options_raw:
         notes.insert(0, "options: " + " ".join(session.backend_options_raw))
+    process = process_of(backend)
+    if process["isolated"]:
+        notes.insert(0, f"answers in its own process ({process['why']})")
     line = (
         f"kvconform: backend={backend.name} ({backend.version}), reference=vLLM {release.release} rules "
         f"({release_origin}), "
@@ -376,6 +386,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         if call.when == "call" and led is not None:
             # JSON-serialisable, as everything here: user properties cross xdist
             report.user_properties.append(("kvconform_answers", led.counts()))
+            report.user_properties.append(("kvconform_processes", sorted(led.processes)))
             if rule.args[0] == "plan" and led.answers:
                 report.user_properties.append(("kvconform_steps", led.by_method()))
             if led.outcome_of_pass(rule.args[0]) == "inherited":

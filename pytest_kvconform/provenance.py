@@ -58,6 +58,8 @@ class Answer:
     by: str
     value: Any = None
     error: Exception | None = None
+    #: the process whose code gave the answer (a backend in its own process: that one's)
+    pid: int = field(default_factory=os.getpid)
 
     def get(self) -> Any:
         if self.error is not None:
@@ -105,7 +107,11 @@ def _watch_reference_returns() -> Iterator[list[Any]]:
 
 def ask(rules: Any, method: str, *args: Any, **kwargs: Any) -> Answer:
     """``rules.<method>(*args, **kwargs)`` and who answered; anything raised is kept in the
-    :class:`Answer`. The reference itself always answers as ``backend`` (its own code)."""
+    :class:`Answer`. The reference itself always answers as ``backend`` (its own code). A backend
+    running in another process (:class:`~.backends.isolated.IsolatedBackend`) is asked there."""
+    remote = getattr(type(rules), "kvconform_ask", None)
+    if remote is not None:
+        return remote(rules, method, *args, **kwargs)
     fn: Callable[..., Any] = getattr(rules, method)
     code = getattr(getattr(fn, "__func__", fn), "__code__", None)
     if is_oracle(rules):
@@ -128,6 +134,16 @@ def ask(rules: Any, method: str, *args: Any, **kwargs: Any) -> Answer:
         return Answer(by_code, error=exc)
 
 
+def composes_plan(backend: Any) -> bool:
+    """Whether ``backend.plan`` is the reference's composition of the backend's own rules (so a
+    plan can be composed step by step, each step asked separately), not a plan of its own."""
+    remote = getattr(type(backend), "kvconform_composes_plan", None)
+    if remote is not None:
+        return bool(remote(backend))
+    code = getattr(getattr(type(backend), "plan", None), "__code__", None)
+    return code is not None and is_reference_code(code.co_filename)
+
+
 # ----------------------------------------------------------------------------- per-test state
 
 
@@ -138,6 +154,8 @@ class Ledger:
 
     #: (rule family, method, who answered, why the reference answered; "" otherwise), in order
     answers: list[tuple[str, str, str, str]] = field(default_factory=list)
+    #: the processes whose code answered (more than this one: a backend in its own process)
+    processes: set[int] = field(default_factory=set)
     #: reason -> generated inputs discarded (the backend cannot model them)
     discarded: Counter[str] = field(default_factory=Counter)
     #: generated inputs compared (both answered, or both rejected)
@@ -145,8 +163,10 @@ class Ledger:
     #: rule -> compared generated inputs that reached it
     exercised: Counter[str] = field(default_factory=Counter)
 
-    def record(self, family: str, method: str, by: str, reason: str = "") -> None:
+    def record(self, family: str, method: str, by: str, reason: str = "", pid: int | None = None) -> None:
         self.answers.append((family, method, by, reason))
+        if pid is not None:
+            self.processes.add(pid)
 
     def outcome_of_pass(self, rule: str = "plan") -> str:
         """A passing test of ``rule`` is ``passed`` when the backend's own code gave at least one

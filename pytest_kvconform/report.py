@@ -94,6 +94,7 @@ def report_document(
     reference: Mapping[str, str] | None = None,
     producer: str = "pytest",
     plan_steps: Mapping[str, Counter[str]] | None = None,
+    process: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The JSON report (schema :data:`SCHEMA`, every key in docs/reports.md)."""
     rows = _rows(matrix)
@@ -103,6 +104,7 @@ def report_document(
         "backend": backend.name,
         "version": backend.version,
         "backend_options": dict(options or {}),
+        "process": dict(process or {}),
         "reference": dict(reference or {}),
         "rules": {rule: dict(zip(OUTCOMES, counts, strict=True)) for rule, counts in rows},
         "totals": {o: sum(c[i] for _, c in rows) for i, o in enumerate(OUTCOMES)},
@@ -118,6 +120,7 @@ def report_document(
                 "message": str(r.get("message", "")),
                 "difference": dict(r["difference"]) if r.get("difference") else None,
                 "answers": _by_name(Counter(r.get("answers") or {})),
+                "processes": list(r.get("processes") or []),
             }
             for r in records
         ],

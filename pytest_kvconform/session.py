@@ -48,6 +48,8 @@ class KVConformSession:
         #: first difference of a departure (field, reference, backend; else None) and the answers
         self.records: list[dict[str, Any]] = []
         self.strict = bool(config.getoption("kvconform_strict"))
+        #: build the backend in a process of its own (``--kvconform-isolate``)
+        self.isolate = bool(config.getoption("kvconform_isolate"))
         self.strict_failure = ""
         #: "family.method: reference (why)" -> plans in which the reference answered that step
         self.reference_steps: Counter[str] = Counter()
@@ -59,7 +61,7 @@ class KVConformSession:
         self.configured = self.explicit or any(
             config.getoption(name)
             for name in ("kvconform_scenarios", "kvconform_max_examples", "kvconform_xfails",
-                         "kvconform_strict", "kvconform_vllm", "kvconform_report")
+                         "kvconform_strict", "kvconform_vllm", "kvconform_report", "kvconform_isolate")
         ) or bool(config.getini("kvconform_vllm"))  # fmt: skip
         self._config = config
         self._hypothesis_dir: Path | None = None
@@ -94,6 +96,7 @@ class KVConformSession:
                 "test": report.nodeid, "rule": str(rule), "scenario": scenario, "outcome": outcome,
                 "message": message, "difference": properties.get("kvconform_difference"),
                 "answers": properties.get("kvconform_answers", {}),
+                "processes": properties.get("kvconform_processes", []),
             })  # fmt: skip
 
     def report_document(self) -> dict[str, Any]:
@@ -106,7 +109,7 @@ class KVConformSession:
             self.backend, self.matrix, self.exercised, self.records,
             options=parse_options(self.backend_options_raw),
             reference={"vllm_release": release.release, "selected_by": selected_by},
-            plan_steps=self.plan_steps,
+            plan_steps=self.plan_steps, process=process_of(self.backend),
         )  # fmt: skip
 
     def undeclared_inherited(self) -> list[str]:
@@ -124,7 +127,9 @@ class KVConformSession:
             from .backends.registry import BackendError, parse_options, resolve_backend
 
             try:
-                self._backend = resolve_backend(self.backend_name, parse_options(self.backend_options_raw))
+                self._backend = resolve_backend(
+                    self.backend_name, parse_options(self.backend_options_raw), isolate=self.isolate
+                )
             except BackendError as exc:
                 self.unavailable = not_installed(exc)
                 if self.unavailable is None:
@@ -145,11 +150,9 @@ class KVConformSession:
 
     def apply_release(self, rules: Any) -> Any:
         """Give ``rules`` (the reference, or a backend built on it) the selected release's rules."""
-        from .reference.rules import ReferenceRules
+        from .backends.registry import with_release
 
-        if isinstance(rules, ReferenceRules):
-            rules.release = self.release[0]
-        return rules
+        return with_release(rules, self.release[0])
 
     def hypothesis_dir(self) -> Path:
         """Where kvconform's property tests keep hypothesis's files: pytest's cache dir, or a temp
@@ -187,6 +190,16 @@ class KVConformSession:
 
 
 session_key = pytest.StashKey[KVConformSession]()
+
+
+def process_of(backend: Any) -> dict[str, Any]:
+    """Whether ``backend``'s code runs in a process of its own, and why. Which process answered
+    each test is in its record (``processes``: under xdist every worker has its own)."""
+    from .backends.isolated import IsolatedBackend
+
+    if isinstance(backend, IsolatedBackend):
+        return {"isolated": True, "why": backend.process["why"]}
+    return {"isolated": False, "why": ""}
 
 
 def not_installed(exc: BaseException) -> str | None:

@@ -134,7 +134,7 @@ def test_check_writes_a_markdown_report_with_the_departure(
     [
         (["check", "no-such-scenario"], "kvconform: bad scenario: no-such-scenario: name: not a file"),
         (["check", GRANITE, "--backend", "nope"], "kvconform: unknown kvconform backend 'nope'"),
-        (["check", GRANITE, "--vllm", "0.26"], "kvconform: --vllm: vLLM 0.26: no rule set"),
+        (["check", GRANITE, "--vllm", "0.1"], "kvconform: --vllm: vLLM 0.1: no rule set"),
         (["check", GRANITE, "--xfails", "missing.toml"], "kvconform: --xfails: missing.toml: cannot read"),
         (["explain", "gemma-3-27b-it", "--svg", "x.svg"],
          "kvconform: --svg: google/gemma-3-27b-it (52 sliding-window 1024 + 10 full layers): not a hybrid"),

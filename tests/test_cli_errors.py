@@ -75,3 +75,19 @@ def test_the_plan_of_a_backend_that_cannot_answer_is_not_a_traceback(broken: Pat
                           "--backend", "clibroken:Crashes"], capture_output=True, text=True,
                          env={"PYTHONPATH": str(broken), "PATH": ""})  # fmt: skip
     assert run.returncode == 2 and run.stderr.count("\n") == 1
+
+
+def test_a_reader_that_stops_early_is_no_error() -> None:
+    """``kvconform plan ... | head -0``: the reader is gone before the plan is printed; no
+    BrokenPipeError traceback, exit status 0."""
+    import subprocess
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pytest_kvconform.cli", "plan", "granite-4.0-h-tiny"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0,
+    )  # fmt: skip
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # before the command (about a second to start) writes anything
+    stderr = proc.stderr.read().decode()
+    assert proc.wait(60) == 0, stderr
+    assert "Traceback" not in stderr and "BrokenPipe" not in stderr

@@ -55,27 +55,44 @@ def parse_options(items: list[str]) -> dict[str, str]:
     return options
 
 
-def resolve_backend(name: str, options: dict[str, str] | None = None) -> Any:
-    """Return an instance of the backend called ``name``, constructed with ``options`` (strings)."""
+def backend_class(name: str) -> Any:
+    """The class (or instance) that the backend called ``name`` resolves to, imported, not built."""
     if name in BUILTINS:
         target, hint = BUILTINS[name]
-        cls = _load(target, name, hint)
-    else:
-        eps = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == name]
-        if eps:
-            try:
-                cls = eps[0].load()
-            except ImportError as exc:
-                raise BackendError(
-                    f"backend {name!r} (entry point {eps[0].value}) could not be imported: {exc!r}"
-                ) from exc
-        elif ":" in name:
-            cls = _load(name, name, "")
-        else:
+        return _load(target, name, hint)
+    eps = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == name]
+    if eps:
+        try:
+            return eps[0].load()
+        except ImportError as exc:
             raise BackendError(
-                f"unknown kvconform backend {name!r}; available: {', '.join(available_backends())}, "
-                "or give package.module:ClassName"
-            )
+                f"backend {name!r} (entry point {eps[0].value}) could not be imported: {exc!r}"
+            ) from exc
+    if ":" in name:
+        return _load(name, name, "")
+    raise BackendError(
+        f"unknown kvconform backend {name!r}; available: {', '.join(available_backends())}, "
+        "or give package.module:ClassName"
+    )
+
+
+def resolve_backend(name: str, options: dict[str, str] | None = None, *, isolate: bool = False) -> Any:
+    """Return an instance of the backend called ``name``, constructed with ``options`` (strings).
+
+    A backend whose class says it ``registers_process_wide`` (or any, with ``isolate``) is built
+    in a process of its own and answers through an :class:`~.isolated.IsolatedBackend`."""
+    cls = backend_class(name)
+    why = getattr(cls, "registers_process_wide", None)
+    if isolate or (isinstance(why, str) and why):
+        from .isolated import IsolatedBackend
+
+        return IsolatedBackend(name, options, why=why or "--kvconform-isolate")
+    return build_backend(name, options, cls)
+
+
+def build_backend(name: str, options: dict[str, str] | None = None, cls: Any = None) -> Any:
+    """The backend called ``name`` built in this process (``cls``: its :func:`backend_class`)."""
+    cls = backend_class(name) if cls is None else cls
     options = options or {}
     if not isinstance(cls, type):
         if options:
@@ -98,3 +115,15 @@ def resolve_backend(name: str, options: dict[str, str] | None = None) -> Any:
         if not hasattr(backend, attr):
             raise BackendError(f"backend {name!r} ({cls!r}) is not a kvconform backend: no {attr!r}")
     return backend
+
+
+def with_release(rules: Any, release: Any) -> Any:
+    """``rules`` judging by ``release``'s rules, where it is built on the reference (in this
+    process or in its own, :mod:`.isolated`); other backends are returned unchanged."""
+    from ..reference.rules import ReferenceRules
+
+    if isinstance(rules, ReferenceRules):
+        rules.release = release
+    elif hasattr(type(rules), "kvconform_set_release"):
+        rules.kvconform_set_release(release)
+    return rules

@@ -134,7 +134,7 @@ class _Asker:
             answer = provenance.ask(self.fallback, method, *inputs, scenario=self.scenario)
             answer = dataclasses.replace(answer, by=provenance.REFERENCE)
         if not self.oracle:
-            self.ledger.record(family, method, answer.by, reason or "")
+            self.ledger.record(family, method, answer.by, reason or "", pid=answer.pid)
         value = answer.value
         if answer.error is not None:  # a rejection
             if rejected is _RAISE:

@@ -302,18 +302,20 @@ class VllmBackend(ReferenceBackend):
     # -- allocation: the worker's initialisation from vLLM's KVCacheConfig
     def allocate_kv_cache(self, plan: KVPlan, num_blocks: int, scenario: Scenario) -> PoolAllocation:
         """A plugin worker's ``initialize_from_config`` with vLLM's ``KVCacheConfig`` of
-        ``num_blocks`` blocks (``get_kv_cache_configs`` for ``num_blocks * bytes_per_block``), and
-        what it then holds (:func:`.worker.bytes_held`)."""
+        ``num_blocks`` blocks, and what it then holds (:func:`.worker.bytes_held`). The memory
+        given to ``get_kv_cache_configs`` is ``num_blocks`` of the engine's own blocks (its
+        planner's bytes per block on the worker's specs), not the reference plan's: where the
+        two differ, the layer-spec and plan checks show it, and the allocation is judged on what
+        the engine would really ask of the worker."""
         engine = self.engine(scenario)
         if is_gpu_worker(type(engine.worker)):
             raise RuleNotApplicable(
                 "vLLM core's GPU worker allocates on its device (initialize_from_config -> "
                 "GPUModelRunner.initialize_kv_cache); a plugin worker (option worker=) is asked"
             )
+        own = self.check_memory(self.layer_specs(scenario), scenario).bytes_per_block
         with self._scope(scenario), _current_config(engine.config):
-            kv_config = planning.kv_cache_config(
-                engine.config, engine.specs, num_blocks * plan.bytes_per_block
-            )
+            kv_config = planning.kv_cache_config(engine.config, engine.specs, num_blocks * own)
             engine.worker.initialize_from_config(kv_config)
             held = bytes_held(engine.worker)
         blocks = int(kv_config.num_blocks)

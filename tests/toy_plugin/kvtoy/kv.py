@@ -3,6 +3,7 @@
 import dataclasses
 from typing import ClassVar
 
+from kvtoy.device import padded_head_dim
 from pytest_kvconform.backends.base import ReferenceBackend
 from pytest_kvconform.errors import RuleNotApplicable
 from pytest_kvconform.model import PoolAllocation
@@ -34,7 +35,8 @@ class ToyBackend(ReferenceBackend):
         block = self.choose_block_size(scenario).block_size
         heads = max(1, attn.num_kv_heads // rt.tensor_parallel_size)  # KV heads replicated below TP
         v = None if attn.head_dim_v in (None, attn.head_dim) else attn.head_dim_v
-        spec = AttentionSpec("full_attention", block, heads, attn.head_dim, model.dtype, head_size_v=v)
+        head = padded_head_dim(attn.head_dim)  # the device's head layout (kvtoy.device)
+        spec = AttentionSpec("full_attention", block, heads, head, model.dtype, head_size_v=v)
         return {f"model.layers.{i}.self_attn": spec for i in range(len(model.layers))}
 
     def kernel_block_size(self, block_size, scenario=None):

@@ -46,7 +46,6 @@ it (as for vLLM's CPU platform): nearly every generated input shows one of those
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import importlib
 import math
 import os
@@ -303,6 +302,11 @@ class TpuInferenceBackend(VllmBackend):
     #: vLLM core's known bugs stay the vllm backend's; tpu-inference's departures are data in
     #: pytest_kvconform/xfails/tpu-inference.toml
     known_failures: ClassVar[Mapping[str, str]] = {}
+    #: so the harness builds it in a process of its own (:mod:`...isolated`)
+    registers_process_wide: ClassVar[str] = (
+        "tpu-inference replaces vLLM's layers (tpu_inference.layers.vllm) and its platform patches "
+        "vLLM when imported; JAX's devices are fixed for the process"
+    )
 
     def __init__(
         self,
@@ -422,10 +426,7 @@ class TpuInferenceBackend(VllmBackend):
                 f"{pinned} blocks whatever memory it is given, a pool of {num_blocks} cannot be asked "
                 f"and the full one is {scenario.runtime.kv_cache_memory_bytes / 2**30:.1f} GiB"
             )
-        # the few blocks are the engine's own (vLLM's planner on tpu-inference's specs), not the
-        # reference plan's: tpu-inference's blocks may be larger (specs global over TP devices)
-        own = self.check_memory(self.layer_specs(scenario), scenario).bytes_per_block
-        return super().allocate_kv_cache(dataclasses.replace(plan, bytes_per_block=own), num_blocks, scenario)
+        return super().allocate_kv_cache(plan, num_blocks, scenario)
 
 
 __all__ = ["TpuInferenceBackend", "cpu_device_coords", "device_memory", "environment", "hbm_stats", "prepare",
