@@ -31,7 +31,7 @@ from .model import KVPlan
 from .reference.releases import LATEST
 from .reference.specs import AttentionSpec, MambaSpec
 from .reference.unify import POLICIES
-from .scenario import Scenario
+from .scenario import REJECTS, Scenario
 
 
 def distinct(specs: dict[str, Any], kind: type) -> list[Any]:
@@ -122,9 +122,25 @@ def unify_page_sizes(backend: Any, reference: Any, scenario: Scenario) -> None:
         assert_same("unification", backend, s, {policy: expected}, {policy: got})
 
 
+def reference_groups_or_skip(reference: Any, specs: dict[str, Any], scenario: Scenario) -> None:
+    """Skip when the reference rejects the grouping of ``specs`` (an older release that cannot
+    unify them); ``test_kv_cache_groups`` compares that rejection."""
+    answer = outcome(reference, "kv_cache_groups", specs, scenario=scenario)
+    if answer[0] != "ok":
+        pytest.skip(
+            f"the reference rejects this scenario's groups ({answer[1]}); test_kv_cache_groups checks that"
+        )
+
+
 def kv_cache_groups(backend: Any, reference: Any, scenario: Scenario) -> None:
     specs = reference_specs(reference, scenario)
-    expected = reference.kv_cache_groups(specs, scenario=scenario)
+    answer = outcome(reference, "kv_cache_groups", specs, scenario=scenario)
+    if answer[0] != "ok":
+        got_answer = outcome(backend, "kv_cache_groups", specs, scenario=scenario)
+        assert_same("grouping", backend, scenario, answer[:1], got_answer[:1])
+        assert_same("grouping", backend, scenario, answer, got_answer)
+        return
+    expected = answer[1]
     got = call_rule(backend, "kv_cache_groups", specs, scenario=scenario)
     key = "groups (kind, layers)"
     shape = {key: [(g.kind, len(g.layer_names)) for g in expected]}
@@ -134,6 +150,7 @@ def kv_cache_groups(backend: Any, reference: Any, scenario: Scenario) -> None:
 
 def check_memory(backend: Any, reference: Any, scenario: Scenario) -> None:
     specs = reference_specs(reference, scenario)
+    reference_groups_or_skip(reference, specs, scenario)
     expected = reference.check_memory(specs, scenario=scenario)
     got = call_rule(backend, "check_memory", specs, scenario=scenario)
     assert_same("memory", backend, scenario, expected, got)
@@ -145,6 +162,7 @@ FRACTIONS = (0.001, 0.5, 1.0)
 
 def estimate_max_model_len(backend: Any, reference: Any, scenario: Scenario, fraction: float) -> None:
     specs = reference_specs(reference, scenario)
+    reference_groups_or_skip(reference, specs, scenario)
     available = int(reference.check_memory(specs, scenario=scenario).needed_bytes * fraction)
     key = f"estimate_max_model_len({available} B)"
     expected = reference.estimate_max_model_len(specs, available, scenario=scenario)
@@ -192,11 +210,23 @@ def expectations(backend: Any, reference: Any, scenario: Scenario) -> None:
 
     Judged by an older release, a field of ``[expect.before.<change>]`` replaces its ``[expect]``
     value for every change of ``reference.releases.CHANGES`` the reference's release lacks
-    (:meth:`~pytest_kvconform.scenario.Scenario.expect_for`)."""
+    (:meth:`~pytest_kvconform.scenario.Scenario.expect_for`); a table of ``rejects`` states that
+    the plan is rejected with that exception type."""
     external = {k: v for k, v in scenario.expect_external.items() if k in KVPlan.field_names()}
     if not scenario.expect and not external:
         pytest.skip("no [expect] table")
     expect = scenario.expect_for(getattr(reference, "release", LATEST))
+    if REJECTS in expect:
+        table, want = expect[REJECTS]
+        answer = outcome(backend, "plan", scenario=scenario)
+        have = answer[1] if answer[0] == "rejects" else "a plan"
+        if have != want:
+            message = (
+                f"{scenario.source}: backend {backend.name!r}: {table}.{REJECTS}: expected {want!r}, "
+                f"got {have!r}"
+            )
+            raise Departure(message, "plan", f"{table}.{REJECTS}", want, have, pytrace=False)
+        return
     got = call_rule(backend, "plan", scenario=scenario).to_dict()
     stated = [(table, k, v) for k, (table, v) in expect.items()]
     stated += [("expect.external", k, v) for k, v in external.items()]

@@ -20,24 +20,33 @@ from typing import Any
 
 import pytest
 
-from .conformance import call_rule, departure
+from .conformance import call_rule, departure, outcome
+from .errors import REJECTIONS
 from .reference.releases import RELEASES, RuleSet, rule_set
 from .reference.rules import reference_rules
-from .scenario import Scenario, load_scenario
+from .scenario import REJECTS, Scenario, load_scenario
 
 REGRESSION_SCENARIOS = Path(__file__).parent / "scenarios" / "regressions"
 
-#: The changes of ``reference.releases.CHANGES`` that alter a golden: ``null_block_reserved``
-#: (vLLM 0.29) changes ``available_bytes`` of every plan, and the admission and the estimate of
-#: those whose pool is one block short. The other changes leave every golden as it is (the suites
-#: pass on each release with one set per group).
-GOLDEN_CHANGES = ("null_block_reserved",)
+#: The changes of ``reference.releases.CHANGES`` that alter a golden: ``attention_page_padding``
+#: (vLLM 0.24: 0.23 rejects the TurboQuant probe under pad-to-max), ``mamba_page_padding`` (0.26:
+#: 0.23 ... 0.25 reject the Granite dense draft), ``mla_hybrid_block_floor`` (0.27: the MLA hybrid
+#: probes' blocks) and ``null_block_reserved`` (0.29) changes ``available_bytes`` of every plan, and
+#: the admission and the estimate of those whose pool is one block short. The other changes leave
+#: every golden as it is (the suites pass on each release with one set per group).
+GOLDEN_CHANGES = (
+    "attention_page_padding",
+    "mamba_page_padding",
+    "mla_hybrid_block_floor",
+    "null_block_reserved",
+)
 
 
 def golden_dirname(release: Any) -> str:
     """The snapshot folder of ``release`` (a ``RuleSet``): ``__snapshots__`` when it has every
     change of :data:`GOLDEN_CHANGES`, else ``__snapshots_before_<change>[_<change>...]__`` named
-    by the ones it lacks (vLLM 0.27 and 0.28: ``__snapshots_before_null_block_reserved__``)."""
+    by the ones it lacks (vLLM 0.27 and 0.28: ``__snapshots_before_null_block_reserved__``; 0.26:
+    ``__snapshots_before_mla_hybrid_block_floor_null_block_reserved__``, ...)."""
     lacking = [name for name in GOLDEN_CHANGES if not release.has(name)]
     return f"__snapshots_before_{'_'.join(lacking)}__" if lacking else "__snapshots__"
 
@@ -71,6 +80,15 @@ def backend_plan(backend: Any, scenario: Scenario) -> Any:
     return call_rule(backend, "plan", scenario=scenario)
 
 
+def plan_record(rules: Any, scenario: Scenario) -> dict[str, Any]:
+    """What a golden holds of ``rules``' plan: its fields, or ``{"rejects": <exception type>}``
+    when the rules reject the scenario (an older release's vLLM refusing it)."""
+    try:
+        return dict(rules.plan(scenario).to_dict())
+    except REJECTIONS as exc:
+        return {REJECTS: type(exc).__name__}
+
+
 def one_sequence_bytes(backend: Any, scenario: Scenario) -> int:
     """The backend's one-sequence estimate at the reference's block choice for ``scenario``."""
     choice = reference_rules().choose_block_size(scenario=scenario)
@@ -89,15 +107,19 @@ def assert_plan_matches_golden(backend: Any, reference: Any, golden: Any, scenar
     """
     goldens = golden if isinstance(golden, Goldens) else Goldens(golden)
     for release, other in goldens.others:
-        plan = reference_rules(release).plan(scenario).to_dict()
+        plan = plan_record(reference_rules(release), scenario)
         assert plan == other, (
             f"the reference's plan of {scenario.name!r} under vLLM {release.release} rules no longer "
             "matches its golden"
         )
     golden = goldens.judged
-    expected = reference.plan(scenario).to_dict()
+    expected = plan_record(reference, scenario)
     try:
-        got = backend_plan(backend, scenario).to_dict()
+        if REJECTS in expected:  # a rejection: the backend must reject with the same type
+            answer = outcome(backend, "plan", scenario=scenario)
+            got = {REJECTS: answer[1]} if answer[0] == "rejects" else answer[1].to_dict()
+        else:
+            got = backend_plan(backend, scenario).to_dict()
     except (pytest.skip.Exception, pytest.fail.Exception):
         assert expected == golden, f"the reference's plan of {scenario.name!r} no longer matches its golden"
         raise

@@ -239,7 +239,9 @@ class Scenario:
         ``[expect]`` states the newest rules; for every change the release lacks, the fields of
         ``[expect.before.<change>]`` replace those values. When the release lacks several changes
         that both state a field, the table of the oldest change wins: the releases before an older
-        change are the ones that also lack every newer change.
+        change are the ones that also lack every newer change. A table of ``rejects`` (the
+        exception type vLLM rejects the plan with) replaces every value: then the only one is
+        ``"rejects"``.
         """
         from .reference.releases import CHANGES  # stdlib only; imported late (reference imports us)
 
@@ -248,6 +250,8 @@ class Scenario:
             if change.name in self.expect_before and not release.has(change.name):
                 table = f"expect.before.{change.name}"
                 values.update({k: (table, v) for k, v in self.expect_before[change.name].items()})
+        if REJECTS in values:
+            return {REJECTS: values[REJECTS]}
         return values
 
 
@@ -314,9 +318,16 @@ def scenario_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Scena
     )  # fmt: skip
 
 
+#: The ``[expect.before.<change>]`` key that says the releases lacking the change reject the plan.
+REJECTS = "rejects"
+#: Its values: the exception types of a rejection (``pytest_kvconform.errors.REJECTIONS``).
+REJECTION_TYPES = ("ValueError", "NotImplementedError", "AssertionError")
+
+
 def _read_expect_before(before: Any, expect: Mapping[str, Any], source: str) -> dict[str, dict[str, Any]]:
     """``[expect.before.<change>]`` tables: ``<change>`` a name of ``reference.releases.CHANGES``,
-    each key a KVPlan field that ``[expect]`` also states (the value under the newest rules)."""
+    each key a KVPlan field that ``[expect]`` also states (the value under the newest rules), or
+    ``rejects`` alone: the exception type those releases reject the plan with."""
     from .reference.releases import CHANGES  # stdlib only; imported late (reference imports us)
 
     if not isinstance(before, Mapping):
@@ -329,6 +340,18 @@ def _read_expect_before(before: Any, expect: Mapping[str, Any], source: str) -> 
             raise ScenarioError(source, where, "unknown change; expected one of " + ", ".join(names))
         if not isinstance(values, Mapping) or not values:
             raise ScenarioError(source, where, "expected a non-empty table of KVPlan fields")
+        if REJECTS in values:
+            if len(values) > 1:
+                raise ScenarioError(
+                    source, f"{where}.{REJECTS}", "expected alone: a rejected plan has no fields"
+                )
+            if values[REJECTS] not in REJECTION_TYPES:
+                raise ScenarioError(
+                    source, f"{where}.{REJECTS}", f"expected one of {', '.join(REJECTION_TYPES)}; "
+                    f"got {values[REJECTS]!r}"
+                )  # fmt: skip
+            out[change] = dict(values)
+            continue
         for key in values:
             if key not in KVPlan.field_names():
                 raise ScenarioError(source, f"{where}.{key}", "unknown key; expected a KVPlan field name")

@@ -17,7 +17,7 @@ if [[ "$(uname -s)" == Darwin ]]; then
 else
     "$VENV/bin/pip" install --quiet -e '.[metal-cpu,dev]'
     bash scripts/install-vllm.sh "$VENV"
-    # vLLM 0.29.0 and the 0.33.0 sources for scripts/test.sh (KVCONFORM_VLLM_RELEASES=0 skips them)
+    # vLLM 0.29.0, and the 0.23.0 and 0.33.0 sources over 0.32's kernels, for scripts/test.sh (KVCONFORM_VLLM_RELEASES=0 skips them)
     if [[ "$VENV" == .venv && "${KVCONFORM_VLLM_RELEASES:-1}" != 0 ]]; then
         bash scripts/install-vllm-releases.sh
     fi

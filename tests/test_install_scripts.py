@@ -46,3 +46,19 @@ def test_install_sh_builds_the_tpu_venv_behind_its_switch() -> None:
     assert "install-tpu-inference.sh" not in darwin
     assert '"${KVCONFORM_TPU:-1}" != 0 ]]; then\n        bash scripts/install-tpu-inference.sh' in linux
     assert "VENV=${1:-.venv-tpu}" in (SCRIPT.parent / "install-tpu-inference.sh").read_text()
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="bash scripts")
+def test_every_overlay_run_has_its_overlay_installed() -> None:
+    """Each scripts/test.sh run on a ``.vllm-overlay/X`` (0.33, and 0.23, the oldest release) is
+    installed by scripts/install-vllm-releases.sh and asserts release X in its header."""
+    import re
+
+    test_sh = (SCRIPT.parent / "test.sh").read_text()
+    runs = re.findall(r"PYTHONPATH=\.vllm-overlay/(\S+) .*\\\n\s+run_vllm (\S+) ", test_sh)
+    installed = re.findall(
+        r"^overlay \.vllm-overlay/(\S+) ", (SCRIPT.parent / "install-vllm-releases.sh").read_text(), re.M
+    )
+    assert {"0.23", "0.33"} <= {release for release, _ in runs}
+    assert all(release == asserted for release, asserted in runs)
+    assert sorted(installed) == sorted(release for release, _ in runs)

@@ -96,7 +96,7 @@ def test_header_and_summary(pytester: pytest.Pytester, monkeypatch: pytest.Monke
 
 
 @pytest.mark.parametrize(("value", "message"), [
-    ("0.26", "*--kvconform-vllm: vLLM 0.26: no rule set; known releases 0.27, 0.28, *, 0.33"),
+    ("0.22", "*--kvconform-vllm: vLLM 0.22: no rule set; known releases 0.23, 0.24, *, 0.33"),
     ("latest", "*--kvconform-vllm: vLLM version 'latest': expected MAJOR.MINOR*"),
 ])  # fmt: skip
 def test_unknown_vllm_release_is_a_usage_error(pytester: pytest.Pytester, value: str, message: str) -> None:

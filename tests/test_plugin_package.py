@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from pytest_kvconform.reference.releases import RELEASES
+from pytest_kvconform.regressions import golden_folders
 
 SUITES = Path(__file__).resolve().parents[1] / "pytest_kvconform" / "suites"
 
@@ -175,8 +176,8 @@ def test_pyargs_runs_the_packaged_suites_beside_a_users_own_test_rules(pytester:
 def test_snapshots_are_package_data_beside_their_modules() -> None:
     for module in ("test_kvconform_history", "test_kvconform_reported"):
         assert (SUITES / "regressions" / f"{module}.py").is_file()
-        # the newest rules' goldens, and those of the releases without the null block (0.27, 0.28)
-        for folder in ("__snapshots__", "__snapshots_before_null_block_reserved__"):
+        # the newest rules' goldens, and those of every older release's folder (0.23 ... 0.28)
+        for folder in golden_folders():
             assert list((SUITES / "regressions" / folder / module).glob("*.json"))
 
 

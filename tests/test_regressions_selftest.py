@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from pytest_kvconform.regressions import golden_folders
+
 SUITES = Path(__file__).resolve().parents[1] / "pytest_kvconform" / "suites"
 REGRESSIONS = SUITES / "regressions"
 REPORTED, HISTORY = (
@@ -526,7 +528,7 @@ def test_goldens_fail_on_an_unused_snapshot(
     # a module name of its own: the outer session has already imported suites' test_history
     shutil.copy(REGRESSIONS / "test_kvconform_history.py", pytester.path / "test_history_copy.py")
     shutil.copy(REGRESSIONS / "conftest.py", pytester.path / "conftest.py")  # the golden fixture
-    for each in ("__snapshots__", "__snapshots_before_null_block_reserved__"):
+    for each in golden_folders():  # every release's folder: each run uses them all
         copy = pytester.path / each / "test_history_copy"
         shutil.copytree(REGRESSIONS / each / "test_kvconform_history", copy)
     stale = pytester.path / folder / "test_history_copy" / "test_plan_golden[vllm-metal-0-removed].json"

@@ -137,7 +137,7 @@ def test_packaged_scenario_loads_and_keeps_sources(name):
     assert isinstance(s, Scenario)
     assert s.source == f"{name}.toml"
     assert s.name == raw["name"]
-    assert dict(s.expect) == {k: v for k, v in raw["expect"].items() if k != "external"}
+    assert dict(s.expect) == {k: v for k, v in raw["expect"].items() if k not in ("external", "before")}
     if "model" not in raw:  # spec-level (e.g. an MTP draft's layers): the comment cites the sources
         assert s.model is None and s.layer_specs
         text = (resources.files("pytest_kvconform") / "scenarios" / f"{name}.toml").read_text("utf-8")
@@ -386,6 +386,25 @@ def test_expect_before_states_the_values_of_releases_lacking_a_change(tmp_path):
     assert s.with_runtime(block_size=32).expect_before == {}
 
 
+def test_expect_before_rejects_replaces_every_value(tmp_path):
+    """``rejects`` says the releases lacking the change reject the plan: judged by one of them, it is
+    the only expectation (the oldest change's table wins, as for fields)."""
+    from pytest_kvconform.reference.releases import rule_set
+
+    before = {"mamba_page_padding": {"rejects": "NotImplementedError"},
+              "attention_page_padding": {"rejects": "AssertionError"},
+              "null_block_reserved": {"block_size": 16}}  # fmt: skip
+    s = load_scenario(write(tmp_path, mutate(BASE, "expect.before", before)))
+    assert s.expect_for(rule_set("0.29")) == {"block_size": ("expect", 400)}
+    assert s.expect_for(rule_set("0.27")) == {"block_size": ("expect.before.null_block_reserved", 16)}
+    assert s.expect_for(rule_set("0.25")) == {
+        "rejects": ("expect.before.mamba_page_padding", "NotImplementedError")
+    }
+    assert s.expect_for(rule_set("0.23")) == {
+        "rejects": ("expect.before.attention_page_padding", "AssertionError")
+    }
+
+
 def test_old_files_load_without_expect_before(tmp_path):
     s = load_scenario(write(tmp_path, BASE))
     assert s.expect_before == {}
@@ -399,7 +418,7 @@ def test_old_files_load_without_expect_before(tmp_path):
     [
         (3, "expect.before", "expected a table of [expect.before.<change>] tables"),
         ({"null_block": {"block_size": 16}}, "expect.before.null_block", "unknown change; expected one of "
-         "speculative_retained_tokens, null_block_reserved, "),
+         "attention_page_padding, sliding_window_own_block, "),
         ({"null_block_reserved": 3}, "expect.before.null_block_reserved",
          "expected a non-empty table of KVPlan fields"),
         ({"null_block_reserved": {}}, "expect.before.null_block_reserved",
@@ -409,8 +428,13 @@ def test_old_files_load_without_expect_before(tmp_path):
         ({"null_block_reserved": {"available_bytes": 16}},
          "expect.before.null_block_reserved.available_bytes",
          "not in [expect]; state its value under the newest rules there"),
+        ({"mamba_page_padding": {"rejects": "NotImplementedError", "block_size": 16}},
+         "expect.before.mamba_page_padding.rejects", "expected alone: a rejected plan has no fields"),
+        ({"mamba_page_padding": {"rejects": "KeyError"}}, "expect.before.mamba_page_padding.rejects",
+         "expected one of ValueError, NotImplementedError, AssertionError; got 'KeyError'"),
     ],
-    ids=["not-a-table", "unknown-change", "change-not-a-table", "empty", "unknown-field", "not-in-expect"],
+    ids=["not-a-table", "unknown-change", "change-not-a-table", "empty", "unknown-field", "not-in-expect",
+         "rejects-not-alone", "rejects-not-a-rejection"],
 )  # fmt: skip
 def test_bad_expect_before(tmp_path, before, key, problem):
     err = load_error(tmp_path, mutate(BASE, "expect.before", before))

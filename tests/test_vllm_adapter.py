@@ -231,3 +231,23 @@ def test_backend_matches_reference_plan(va: Any) -> None:
     assert set(backend.not_provided) == {"one_sequence", "kernel_block"}
     scenario = load_scenario("granite-4.0-h-tiny")
     assert backend.plan(scenario) == plan(scenario)
+
+
+@pytest.mark.parametrize(
+    ("spec", "fmt"),
+    [
+        (full(heads=2, head=256, dtype="uint8", state_content_bytes=388), "turboquant_k8v4 slot"),
+        (
+            full(heads=1, head=576, dtype="uint8", kind="mla", head_size_v=0, state_content_bytes=656),
+            "fp8_ds_mla",
+        ),
+        (full(heads=1, head=64, dtype="int8", state_content_bytes=136), "int8_per_token_head"),
+    ],
+)
+def test_packed_pages_round_trip(va: Any, spec: AttentionSpec, fmt: str) -> None:
+    """A packed page survives the trip to vLLM's spec and back on every release: 0.28+ carries
+    ``state_content_bytes``; before, ``api`` spells it as ``TQFullAttentionSpec.tq_slot_size``,
+    MLA's ``cache_dtype_str`` or a per-token-head ``kv_quant_mode`` (scales in ``page_size_bytes``)."""
+    vllm_spec = va.specs.to_vllm_spec(spec)
+    assert int(vllm_spec.page_size_bytes) == spec.page_size_bytes, fmt
+    assert va.specs.from_vllm_spec(vllm_spec, spec) == spec, fmt

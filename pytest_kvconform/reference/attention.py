@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from ..scenario import AttentionGeometry
 from .dtypes import DTYPE_SIZE, storage_dtype
+from .releases import LATEST, RuleSet
 from .specs import AttentionSpec, cdiv
 
 #: ``(key_bits, value_bits)`` of the TurboQuant presets (turboquant/config.py).
@@ -57,10 +58,16 @@ def attention_spec(
     model_dtype: str,
     tensor_parallel_size: int = 1,
     registered_dtypes: tuple[tuple[str, str], ...] = (),
+    release: RuleSet = LATEST,
 ) -> AttentionSpec:
     """The spec one attention layer reports (``Attention``/``MLAAttention.get_kv_cache_spec``
-    followed by the backend's ``customize_spec``), for ``kind`` full/sliding/chunked/cross."""
-    dtype = storage_dtype(kv_cache_dtype, model_dtype, registered_dtypes)
+    followed by the backend's ``customize_spec``), for ``kind`` full/sliding/chunked/cross.
+
+    Before ``sliding_window_packed_formats`` (vLLM 0.28, when every spec first went through
+    ``customize_spec``) only full attention has the TurboQuant slot (``TQFullAttentionSpec``):
+    the other kinds store ``(D + Dv)`` uint8 per head, and ``SlidingWindowSpec.real_page_size_bytes``
+    does not halve ``int4_per_token_head``."""
+    dtype = storage_dtype(kv_cache_dtype, model_dtype, registered_dtypes, release)
     if geometry.kind == "mla":
         head = geometry.kv_lora_rank + geometry.qk_rope_head_dim
         content: int | None = MLA_PACKED_BYTES.get(kv_cache_dtype)
@@ -77,10 +84,11 @@ def attention_spec(
     dv = d if geometry.head_dim_v is None else geometry.head_dim_v
     slots: int | None = None
     content = None
+    packed = kind == "full_attention" or release.has("sliding_window_packed_formats")
     if kv_cache_dtype in TURBOQUANT_PRESETS:
-        content = turboquant_slot_bytes(d, kv_cache_dtype)
+        content = turboquant_slot_bytes(d, kv_cache_dtype) if packed else None
     elif kv_cache_dtype.endswith("_per_token_head"):
-        half = kv_cache_dtype.startswith("int4")
+        half = kv_cache_dtype.startswith("int4") and (packed or kind != "sliding_window")
         content = ((d // 2 if half else d) + (dv // 2 if half else dv)) * DTYPE_SIZE[dtype] + 2 * 4
     elif kv_cache_dtype in ("nvfp4", "nvfp4_4over6"):
         if d != dv:

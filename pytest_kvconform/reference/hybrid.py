@@ -81,34 +81,50 @@ def hybrid_alignment(scenario: Scenario, release: RuleSet = LATEST) -> HybridAli
 
     The attention page is the real per-token page of one layer, packed formats included
     (for MLA ``fp8_ds_mla`` that is 656 B; vLLM 0.33's ``_align_hybrid_block_size`` prices 576, a vLLM bug).
+    The MLA floor of 128 is vLLM 0.27's (``mla_hybrid_block_floor``).
     """
     model, rt = scenario.model, scenario.runtime
     if model is None or not model.is_hybrid:
         return None
     assert model.attention is not None
-    verify_parallel(scenario)
+    verify_parallel(scenario, release)
     spec = attention_spec(
         model.attention, kind="full_attention", block_size=1, kv_cache_dtype=rt.kv_cache_dtype,
         model_dtype=model.dtype, tensor_parallel_size=rt.tensor_parallel_size,
-        registered_dtypes=rt.registered_kv_cache_dtypes,
+        registered_dtypes=rt.registered_kv_cache_dtypes, release=release,
     )  # fmt: skip
     return align_hybrid_block_size(
         attention_bytes_per_token(spec),
         state_page_bytes(scenario, speculative_rows=release.has("alignment_counts_speculative_rows")
-                         or model.architecture not in SPECULATIVE_ROWS_LATE),
+                         or model.architecture not in SPECULATIVE_ROWS_LATE, release=release),
         kernel_block_alignment=rt.kernel_block_alignment,
         block_size=requested_block_size(scenario),
-        use_mla=model.use_mla,
+        use_mla=model.use_mla and release.has("mla_hybrid_block_floor"),
         extra_block_alignment=rt.extra_block_alignment
         if rt.mamba_cache_mode == "align" and release.has("prefill_checkpoint_alignment") else 1,
     )  # fmt: skip
 
 
-def block_choice(scenario: Scenario, alignment: HybridAlignment | None) -> BlockChoice:
+def block_choice(
+    scenario: Scenario, alignment: HybridAlignment | None, release: RuleSet = LATEST
+) -> BlockChoice:
     """The cache config's block sizes and padded state page after ``alignment`` (None for a
     non-hybrid: the requested block, unpadded). ``mamba_block_size`` is the attention block
-    in ``align`` mode, else ``max_model_len`` (``MambaModelConfig.verify_and_update_config``)."""
+    in ``align`` mode, else ``max_model_len`` (``MambaModelConfig.verify_and_update_config``).
+
+    Before ``align_block_unbounded_by_batch`` (vLLM 0.27), ``VllmConfig.validate_block_size``
+    refuses an ``align``-mode block above ``max_num_batched_tokens`` (``AssertionError``)."""
     rt = scenario.runtime
     block, padded = (requested_block_size(scenario), None) if alignment is None else (
         alignment.block_size, alignment.state_page_padded_bytes)  # fmt: skip
+    if (
+        scenario.model is not None
+        and rt.mamba_cache_mode == "align"
+        and block > rt.max_num_batched_tokens
+        and not release.has("align_block_unbounded_by_batch")
+    ):
+        raise AssertionError(
+            f"In Mamba cache align mode, block_size ({block}) must be <= max_num_batched_tokens "
+            f"({rt.max_num_batched_tokens})."
+        )
     return BlockChoice(block, block if rt.mamba_cache_mode == "align" else rt.max_model_len, padded)

@@ -26,8 +26,11 @@ def sliding_window_block_size(block_size: int, kernel_block_alignment: int, rele
     0.30+) for a backend of ``MultipleOf(kernel_block_alignment)`` and no padded page: the
     largest aligned block whose page fits in ``block_size`` tokens' page, else the smallest kernel
     block. A sliding-window layer runs at ``(block // a) * a`` tokens, or at ``a`` when the
-    block is smaller than the kernel block ``a``. Before 0.30 it runs at ``a``."""
+    block is smaller than the kernel block ``a``. In 0.25 ... 0.29 it runs at ``a``; before
+    ``sliding_window_own_block`` (0.25) at the primary block (``cache_config.block_size``)."""
     a = kernel_block_alignment
+    if not release.has("sliding_window_own_block"):
+        return block_size
     if block_size < a or not release.has("sliding_window_block_follows_primary"):
         return a
     return block_size // a * a
@@ -47,12 +50,12 @@ def layer_specs(
     padded page; ``choice`` defaults to :func:`~.hybrid.block_choice` of ``alignment`` and the
     state ``shapes`` to :func:`~.mamba.state_shapes`.
     """
-    verify_parallel(scenario)
+    verify_parallel(scenario, release)
     if scenario.is_spec_level:
         return _spec_level(scenario)
     model, rt = scenario.model, scenario.runtime
     assert model is not None
-    choice = choice or block_choice(scenario, alignment)
+    choice = choice or block_choice(scenario, alignment, release)
     block, padded, mamba_block = choice.block_size, choice.state_page_padded, choice.mamba_block_size
     attn = model.attention
     built: dict[str, KVCacheSpec] = {}  # one spec object per kind: every such layer reports the same
@@ -66,14 +69,14 @@ def layer_specs(
                 built[kind] = state_spec(
                     scenario, block_size=mamba_block, page_size_padded=padded, shapes=shapes,
                     mamba2_checkpoint_block=release.has("mamba2_prefill_checkpoint_block"),
-                    gdn_checkpoint_block=release.has("gdn_prefill_checkpoint_block"),
+                    gdn_checkpoint_block=release.has("gdn_prefill_checkpoint_block"), release=release,
                 )  # fmt: skip
             else:
                 assert attn is not None
                 built[kind] = attention_spec(
                     attn, kind=kind, block_size=block, kv_cache_dtype=rt.kv_cache_dtype,
                     model_dtype=model.dtype, tensor_parallel_size=rt.tensor_parallel_size,
-                    registered_dtypes=rt.registered_kv_cache_dtypes,
+                    registered_dtypes=rt.registered_kv_cache_dtypes, release=release,
                 )  # fmt: skip
                 if kind == "sliding_window":
                     window_block = sliding_window_block_size(block, rt.kernel_block_alignment, release)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from ..scenario import Scenario, StateGeometry
 from .dtypes import mamba_dtypes
+from .releases import LATEST, RuleSet
 from .specs import MambaSpec
 
 Shapes = tuple[tuple[int, ...], ...]
@@ -31,9 +32,15 @@ def extra_groups_for_head_shards(n_groups: int, tp: int) -> int:
     return 0 if n_groups % tp == 0 else tp - n_groups
 
 
-def state_shapes(state: StateGeometry, tp: int = 1, num_spec: int = 0) -> Shapes:
-    """Per-layer state tensor shapes (``MambaStateShapeCalculator.<kind>_state_shape``)."""
+def state_shapes(state: StateGeometry, tp: int = 1, num_spec: int = 0, release: RuleSet = LATEST) -> Shapes:
+    """Per-layer state tensor shapes (``MambaStateShapeCalculator.<kind>_state_shape``).
+
+    KDA conv states have speculative rows from vLLM 0.27 (``kda_conv_speculative_rows``), short-conv
+    ones from 0.29 (``short_conv_speculative_rows``); before, ``K - 1`` rows."""
     rows = state.conv_kernel - 1 + num_spec
+    late = {"kda": "kda_conv_speculative_rows", "short_conv": "short_conv_speculative_rows"}
+    if state.kind in late and not release.has(late[state.kind]):
+        rows = state.conv_kernel - 1
     if state.kind == "mamba1":
         inner = divide(state.intermediate_size, tp)
         return ((state.conv_kernel - 1, inner), (inner, state.d_state))  # no speculative rows
@@ -63,6 +70,7 @@ def state_spec(
     shapes: Shapes | None = None,
     mamba2_checkpoint_block: bool = True,
     gdn_checkpoint_block: bool = True,
+    release: RuleSet = LATEST,
 ) -> MambaSpec:
     """The ``MambaSpec`` one state layer reports (``MambaBase.get_kv_cache_spec``).
 
@@ -71,15 +79,16 @@ def state_spec(
     GDN prefill, which the scenario says with ``extra_block_alignment`` > 1
     (``QwenGatedDeltaNetAttention.get_kv_cache_spec``, layers/mamba/gdn/qwen_gdn_linear_attn.py,
     vLLM 0.33; not without ``gdn_checkpoint_block``); speculative tokens add conv rows and
-    ``num_speculative_blocks`` pages. ``shapes`` defaults to :func:`state_shapes` of the scenario.
+    ``num_speculative_blocks`` pages. ``shapes`` defaults to :func:`state_shapes` of the scenario;
+    shapes and dtypes follow ``release``.
     """
     model, rt = scenario.model, scenario.runtime
     assert model is not None and model.state is not None
     state = model.state
     if shapes is None:
-        shapes = state_shapes(state, rt.tensor_parallel_size, rt.num_speculative_tokens)
+        shapes = state_shapes(state, rt.tensor_parallel_size, rt.num_speculative_tokens, release)
     conv, ssm = mamba_dtypes(
-        state.kind, model.dtype, rt.mamba_cache_dtype, rt.mamba_ssm_cache_dtype, state.ssm_dtype
+        state.kind, model.dtype, rt.mamba_cache_dtype, rt.mamba_ssm_cache_dtype, state.ssm_dtype, release
     )
     dtypes = (conv,) if state.kind == "short_conv" else (conv, ssm)
     return MambaSpec(
@@ -93,11 +102,12 @@ def state_spec(
     )  # fmt: skip
 
 
-def state_page_bytes(scenario: Scenario, *, speculative_rows: bool = True) -> int:
-    """Unpadded state page of one layer (``MambaSpec.page_size_bytes`` without padding); without
-    ``speculative_rows``, the conv state has no rows for speculative tokens."""
+def state_page_bytes(scenario: Scenario, *, speculative_rows: bool = True, release: RuleSet = LATEST) -> int:
+    """Unpadded state page of one layer (``MambaSpec.page_size_bytes`` without padding) under
+    ``release``; without ``speculative_rows``, the conv state has no rows for speculative tokens."""
     model, rt = scenario.model, scenario.runtime
     assert model is not None and model.state is not None
     rows = rt.num_speculative_tokens if speculative_rows else 0
-    shapes = state_shapes(model.state, rt.tensor_parallel_size, rows)
-    return state_spec(scenario, block_size=rt.max_model_len, shapes=shapes).real_page_size_bytes
+    shapes = state_shapes(model.state, rt.tensor_parallel_size, rows, release)
+    spec = state_spec(scenario, block_size=rt.max_model_len, shapes=shapes, release=release)
+    return spec.real_page_size_bytes

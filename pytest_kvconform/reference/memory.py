@@ -11,8 +11,8 @@ Where the null block is subtracted, per release (read in each release's source):
 ``_check_enough_kv_cache_memory`` nor ``_estimate_max_model_len_from_groups``, in no release.
 From 0.29 (``null_block_reserved``) ``get_kv_cache_configs`` subtracts one pool block from each
 worker's budget (its ``check_memory`` list) and hands that to the admission check, which hands the
-same bytes to the estimate (and to auto-fit); allocation still gets the whole budget. In 0.27 and
-0.28 the check and the estimate get the whole budget. :func:`admission_budget` is that step,
+same bytes to the estimate (and to auto-fit); allocation still gets the whole budget. In 0.23
+... 0.28 the check and the estimate get the whole budget. :func:`admission_budget` is that step,
 :func:`check_memory` the check, :func:`estimate_max_model_len` the estimate on the bytes it is given.
 """
 
@@ -93,7 +93,7 @@ def estimate_max_model_len(
     """Binary search over ``[1, max_model_len]`` for the longest length that fits ``available``.
 
     Returns 0 when not even one token fits (``_estimate_max_model_len_from_groups``). It reserves
-    nothing: ``available`` is the budget the caller hands it, as vLLM's (0.27 ... 0.33) is
+    nothing: ``available`` is the budget the caller hands it, as vLLM's (0.23 ... 0.33) is
     handed the admission check's bytes (:func:`admission_budget`).
     """
     need = groups if isinstance(groups, NeededBytes) else need_of_groups(groups, rt)
@@ -127,7 +127,7 @@ def admission_budget(available: int, bytes_per_block: int, *, reserve_null_block
     """The bytes ``get_kv_cache_configs`` hands to ``_check_enough_kv_cache_memory``, which hands
     them on to ``_estimate_max_model_len_from_groups``: from vLLM 0.29 (``null_block_reserved``,
     vllm#47272 / vllm#48724) ``available - bytes_per_block`` (its ``check_memory`` list: block 0 is
-    ``BlockPool``'s null block); in 0.27 and 0.28 all of ``available``."""
+    ``BlockPool``'s null block); in 0.23 ... 0.28 all of ``available``."""
     return available - bytes_per_block if reserve_null_block else available
 
 

@@ -3,20 +3,27 @@
 Mirrors ``ParallelConfig`` validation (vllm/config/parallel.py: ``tp % dcp``) and
 ``ModelConfig.verify_with_parallel_config`` (vllm/config/model.py: query heads divisible by
 TP; decode context parallelism for GQA/MQA needs TP above the KV heads, at most
-``tp // kv_heads`` DCP ranks, and query heads per KV head divisible by DCP), vLLM 0.32/0.33.
+``tp // kv_heads`` DCP ranks, and query heads per KV head divisible by DCP), vLLM 0.32/0.33;
+the texts (and, for the DCP checks, the exception) of older releases where they differ.
 """
 
 from __future__ import annotations
 
 from ..scenario import Scenario
+from .releases import LATEST, RuleSet
 
 
-def verify_parallel(scenario: Scenario) -> None:
-    """Raise ``ValueError`` with vLLM's message when vLLM would refuse the TP/DCP layout."""
+def verify_parallel(scenario: Scenario, release: RuleSet = LATEST) -> None:
+    """Raise ``ValueError`` with vLLM's message when vLLM would refuse the TP/DCP layout.
+
+    Before ``dcp_tp_message_spaced`` (vLLM 0.26) the ``tp % dcp`` text lacks a space ("divisible
+    bydcp_size"); before ``dcp_checks_value_error`` (0.27) the three GQA/MQA DCP checks are
+    ``AssertionError`` with the older texts of ``ModelConfig.verify_with_parallel_config``."""
     rt, model = scenario.runtime, scenario.model
     tp, dcp = rt.tensor_parallel_size, rt.decode_context_parallel_size
     if tp % dcp:
-        raise ValueError(f"tp_size={tp} must be divisible by dcp_size={dcp}.")
+        space = " " if release.has("dcp_tp_message_spaced") else ""
+        raise ValueError(f"tp_size={tp} must be divisible by{space}dcp_size={dcp}.")
     attn = model.attention if model is not None else None
     if attn is None:
         return
@@ -29,6 +36,9 @@ def verify_parallel(scenario: Scenario) -> None:
     if dcp == 1 or attn.kind == "mla":
         return
     kv_heads = attn.num_kv_heads
+    if not release.has("dcp_checks_value_error"):
+        _verify_dcp_before_027(tp, dcp, kv_heads, query_heads)
+        return
     if tp <= kv_heads:
         raise ValueError(
             f"Decode context parallelism for GQA/MQA requires `--tensor-parallel-size` ({tp}) to be "
@@ -44,4 +54,23 @@ def verify_parallel(scenario: Scenario) -> None:
         raise ValueError(
             f"The model's number of query heads per KV head ({query_heads // kv_heads}) must be "
             f"divisible by `--decode-context-parallel-size` ({dcp}) for GQA/MQA."
+        )
+
+
+def _verify_dcp_before_027(tp: int, dcp: int, kv_heads: int, query_heads: int) -> None:
+    """The GQA/MQA DCP asserts of ``ModelConfig.verify_with_parallel_config``, vLLM 0.23 ... 0.26."""
+    if tp <= kv_heads:
+        raise AssertionError(
+            f"tensor parallel size {tp} must be greater than total num kv heads {kv_heads} when enable "
+            "decode context parallel for GQA/MQA"
+        )
+    if dcp > tp // kv_heads:
+        raise AssertionError(
+            "decode context parallel size must less than or equal to (tensor parallel size "
+            f"{tp} // total num kv heads {kv_heads}) = {tp // kv_heads}, but got {dcp}"
+        )
+    if query_heads and (query_heads // kv_heads) % dcp:
+        raise AssertionError(
+            f"Total number of q per kv attn heads ({query_heads // kv_heads}) must be divisible by dcp world "
+            f"size when enable decode context parallel for GQA ({dcp})."
         )

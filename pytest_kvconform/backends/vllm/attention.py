@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from .api import mla_backend
 from .runtime import UnsupportedByVllmError
 
 #: base name -> the vLLM backend class it subclasses
@@ -22,6 +23,7 @@ BASES = {
     "TRITON_ATTN": "vllm.v1.attention.backends.triton_attn:TritonAttentionBackend",
     # Triton MLA's impl imports FlashAttention helpers a CPU build lacks; the CPU MLA backend
     # shares MLACommonBackend's customize_spec, and its kernel sizes are replaced below anyway.
+    # Releases without it (before 0.28) use Triton MLA's: :func:`.api.mla_backend`.
     "CPU_MLA": "vllm.v1.attention.backends.mla.cpu_mla:CPUMLABackend",
     "TURBOQUANT": "vllm.v1.attention.backends.turboquant_attn:TurboQuantAttentionBackend",
 }
@@ -52,7 +54,8 @@ def aligned_backend(base: str, alignment: int) -> type:
 
     from vllm.v1.attention.backend import MultipleOf
 
-    module_name, _, attr = BASES[base].partition(":")
+    path = mla_backend(BASES[base]) if base == "CPU_MLA" else BASES[base]
+    module_name, _, attr = path.partition(":")
     parent = getattr(importlib.import_module(module_name), attr)
 
     def sizes(kv_cache_spec: Any = None) -> list[Any]:

@@ -3,7 +3,8 @@
 The engine's order (vLLM 0.32/0.33): the ``VllmConfig`` runs the platform's
 ``check_and_update_config``; the worker builds the model (every attention and Mamba layer
 registers itself in ``compilation_config.static_forward_context``); the platform's
-``update_block_size_for_backend`` runs its three phases over those layers' backends; then
+``update_block_size_for_backend`` runs its three phases over those layers' backends (and
+``VllmConfig.validate_block_size`` checks the block they finalised); then
 ``GPUModelRunner.get_kv_cache_spec`` (vllm/v1/worker/gpu_model_runner.py) asks each layer for its
 ``get_kv_cache_spec`` and the backend's ``customize_spec``. :func:`build_engine_specs` does exactly
 that, with the model class instantiated under ``torch.device("meta")`` (nothing is allocated)
@@ -21,7 +22,7 @@ from typing import Any
 
 from ...model import BlockChoice
 from ...scenario import Scenario
-from .api import non_ssm_backends
+from .api import mla_prefill_missing, non_ssm_backends
 from .offline import vllm_config
 from .platform import HookChange, config_without_model, diff, snapshot
 from .runtime import LOCK, UnsupportedByVllmError, vllm_runtime
@@ -114,6 +115,9 @@ def build_engine_specs(
     vllm_runtime()
     rt = scenario.runtime
     config = vllm_config(scenario, platform)
+    missing = mla_prefill_missing() if config.model_config.use_mla else None
+    if missing:
+        raise UnsupportedByVllmError(f"{config.model_config.architecture}: {missing}")
     groups = parallel_groups(rt.tensor_parallel_size, rt.decode_context_parallel_size)
     with LOCK, set_current_vllm_config(config), groups:
         make_worker = make_worker or (lambda config, init: build_worker(resolve_worker(None), config, init))
@@ -131,6 +135,11 @@ def build_engine_specs(
         platform_cls = type(current_platform)
         backends = non_ssm_backends(platform_cls, config)
         platform_cls.update_block_size_for_backend(config)
+        # The engine validates the finished block size (EngineCore._initialize_kv_caches runs it
+        # after planning, at the smallest group's block: the one the hooks finalised unless a
+        # group keeps a smaller own block). Before 0.27 it refuses an align-mode block above
+        # max_num_batched_tokens (AssertionError).
+        config.validate_block_size()
         specs = worker.get_kv_cache_spec()
     cache = config.cache_config
     mamba_block = cache.mamba_block_size if cache.mamba_block_size is not None else rt.max_model_len

@@ -9,12 +9,14 @@ in ``VllmConfig.__post_init__`` as in the engine.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import copy
 import functools
 import hashlib
 import json
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -105,17 +107,36 @@ def vllm_config(scenario: Scenario, platform: type) -> Any:
         **({"max_num_seqs": rt.max_num_seqs} if rt.max_num_seqs is not None else {}),
     )  # fmt: skip
     parallel = parallel_config(rt)
-    config = VllmConfig(
-        model_config=model_config, cache_config=cache, scheduler_config=scheduler,
-        device_config=DeviceConfig(device="cpu"), parallel_config=parallel,
-        speculative_config=speculative_config(scenario, model_config, parallel),
-        additional_config=rt.additional_config_dict,
-    )  # fmt: skip
+    with _assertions_unwrapped():
+        config = VllmConfig(
+            model_config=model_config, cache_config=cache, scheduler_config=scheduler,
+            device_config=DeviceConfig(device="cpu"), parallel_config=parallel,
+            speculative_config=speculative_config(scenario, model_config, parallel),
+            additional_config=rt.additional_config_dict,
+        )  # fmt: skip
     if getattr(model_config.hf_config, "kvconform_substitutes", None) in QWEN35:
         from vllm.model_executor.models.config import Qwen3_5ForConditionalGenerationConfig
 
         Qwen3_5ForConditionalGenerationConfig.verify_and_update_config(config)
     return config
+
+
+@contextlib.contextmanager
+def _assertions_unwrapped() -> Iterator[None]:
+    """A config validator's ``AssertionError`` as vLLM raised it: pydantic wraps whatever a
+    validator raises in a ``ValidationError``, itself a ``ValueError`` (so a validator's
+    ``ValueError`` reads as one already). Before 0.27 the DCP checks of
+    ``ModelConfig.verify_with_parallel_config`` are assertions."""
+    import pydantic
+
+    try:
+        yield
+    except pydantic.ValidationError as exc:
+        errors = exc.errors()
+        if len(errors) == 1 and errors[0]["type"] == "assertion_error":
+            error = errors[0].get("ctx", {}).get("error")
+            raise AssertionError(str(error) if error is not None else errors[0]["msg"]) from exc
+        raise
 
 
 def register_kv_cache_dtypes(registered: tuple[tuple[str, str], ...]) -> None:

@@ -118,15 +118,26 @@ def check_memory(config: Any, vllm_specs: Mapping[str, Any], available_memory: i
     if not groups:
         raise UnsupportedByVllmError("no KV cache groups (attention-free): nothing to plan")
     bpb = api.pool_bytes_per_block(config, groups)
+    no_block = False
     with _watch_admission() as seen:
         try:
             kv_config = api.kv_cache_config(config, vllm_specs, available_memory)
         except ValueError:
             kv_config = None  # "No available memory": not one block beyond the null block
+        except ZeroDivisionError:
+            # Before 0.29 (no null block reserved) a pool of less than one block passes the
+            # "No available memory" test and plans 0 blocks; get_kv_cache_configs then fails
+            # shrinking the tensors (tensor.size % 0). The engine stops earlier: its admission
+            # check, recorded here, refused (one request needs at least one block).
+            if seen.calls and seen.calls[-1][3] == "ok":
+                raise
+            kv_config, no_block = None, True
     if len(seen.calls) != 1:
         raise UnsupportedByVllmError(f"vLLM ran its admission check {len(seen.calls)} times for one worker")
     available, needed, estimate, admission = seen.calls[0]
-    if kv_config is None:
+    if no_block:
+        num_blocks, concurrency = 0, 0.0
+    elif kv_config is None:
         num_blocks, concurrency = (available + bpb) // bpb, 0.0
     else:
         num_blocks = int(kv_config.num_blocks)

@@ -14,7 +14,7 @@ from typing import Any
 
 from ...reference.specs import AttentionSpec, KVCacheSpec, MambaSpec
 from ...scenario import RuntimeSettings
-from .api import cache_role, construct
+from .api import cache_role, construct, state_content_bytes
 from .config_view import ModelConfigStandIn, VllmConfigView, base_config, spec_level_config
 from .runtime import UnsupportedByVllmError, dtype_name, installed_vllm_version, torch_dtype, vllm_runtime
 
@@ -132,7 +132,7 @@ def from_vllm_spec(vllm_spec: Any, template: KVCacheSpec | None = None, layer: A
         kind=kind, block_size=vllm_spec.block_size, num_kv_heads=vllm_spec.num_kv_heads,
         head_size=vllm_spec.head_size, dtype=dtype_name(vllm_spec.dtype), head_size_v=head_size_v,
         num_head_slots=getattr(vllm_spec, "num_head_slots", None),
-        state_content_bytes=getattr(vllm_spec, "state_content_bytes", None),
+        state_content_bytes=state_content_bytes(vllm_spec),
         page_size_padded=vllm_spec.page_size_padded,
         sliding_window=getattr(vllm_spec, "sliding_window", None),
         attention_chunk_size=getattr(vllm_spec, "attention_chunk_size", None),
@@ -149,10 +149,11 @@ def mla_layer_spec(
     from vllm.model_executor.layers.attention.mla_attention import MLAAttention
 
     layer = _MLALayerStandIn(kv_cache_dtype=kv_cache_dtype, head_size=head_size)
+    base = base_config(RuntimeSettings(block_size=block_size, user_specified_block_size=True))
+    # before 0.26 the layer reads the engine's --kv-cache-dtype, not its own kv_cache_dtype
+    base.cache_config.cache_dtype = kv_cache_dtype
     config = VllmConfigView(
-        base_config(RuntimeSettings(block_size=block_size, user_specified_block_size=True)),
-        ModelConfigStandIn(max_model_len=1, dtype=torch_dtype(model_dtype)),
-        max_concurrent_batches=1,
+        base, ModelConfigStandIn(max_model_len=1, dtype=torch_dtype(model_dtype)), max_concurrent_batches=1
     )
     return MLAAttention.get_kv_cache_spec(layer, config)  # type: ignore[arg-type]
 

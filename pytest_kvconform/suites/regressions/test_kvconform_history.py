@@ -4,7 +4,8 @@ Each test names its source (``repository#number``) and the wrong formula it guar
 calls the selected backend, and ``test_plan_golden`` compares the backend's full KVPlan with the
 reference's JSON golden in ``__snapshots__/test_kvconform_history/`` (same file for every backend;
 vLLM 0.27 and 0.28, which lack ``null_block_reserved``, have theirs in
-``__snapshots_before_null_block_reserved__/``: see ``conftest.py``). Numbers that a release changes
+``__snapshots_before_null_block_reserved__/``, older releases in the folders named by the golden
+changes they lack: see ``conftest.py``). Numbers that a release changes
 are asserted per release, each branch tied to its ``reference.releases.CHANGES`` entry.
 """
 
@@ -15,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from pytest_kvconform.conformance import call_rule, skip_if_not_provided
+from pytest_kvconform.conformance import call_rule, outcome, skip_if_not_provided
 from pytest_kvconform.reference.specs import AttentionSpec, MambaSpec
 from pytest_kvconform.regressions import (
     assert_plan_matches_golden,
@@ -316,6 +317,9 @@ def test_vllm43626_mamba_page_is_padded_not_scaled(kv_backend: Any, kv_reference
 
     Wrong formula: scale the MambaSpec's block_size like an attention layer's (its page does not
     depend on block_size, so the post-condition assert fires: a bare AssertionError).
+
+    vLLM 0.23 ... 0.25 (no ``mamba_page_padding``) do not pad a Mamba page: 806,400 B does not
+    divide 1,638,400 B (2 x 806,400 + 25,600), so unification raises NotImplementedError.
     """
     s = GRANITE_DRAFT()
     skip_if_not_provided(kv_backend, "unification")
@@ -323,6 +327,12 @@ def test_vllm43626_mamba_page_is_padded_not_scaled(kv_backend: Any, kv_reference
     if fixed and fixed != "pad-to-max":
         pytest.skip(f"backend {kv_backend.name!r} always unifies with {fixed!r}")
     specs = kv_reference.layer_specs(s)
+    if not kv_reference.release.has("mamba_page_padding"):  # vLLM 0.23 ... 0.25
+        assert outcome(kv_backend, "unify_page_sizes", specs, scenario=s) == (
+            "rejects",
+            "NotImplementedError",
+        )
+        return
     out = call_rule(kv_backend, "unify_page_sizes", specs, scenario=s)
     target, state, draft = out["layer_specs.0.0"], out["layer_specs.1.0"], out["layer_specs.2.0"]
     assert (target.block_size, target.page_size_bytes) == (800, 1_638_400)

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from pytest_kvconform.conformance import call_rule, skip_if_not_provided
+from pytest_kvconform.conformance import call_rule, outcome, skip_if_not_provided
 from pytest_kvconform.reference.hybrid import align_hybrid_block_size
 from pytest_kvconform.reference.layers import layer_specs
 from pytest_kvconform.reference.specs import AttentionSpec, MambaSpec
@@ -238,7 +238,7 @@ def test_glm5_fp8_ds_mla_pages(kv_backend: Any, kv_reference: Any) -> None:
 
 
 @pytest.mark.kvconform_rule("hybrid_alignment")
-def test_vllm_b2_mla_hybrid_block_uses_the_packed_page(kv_backend: Any) -> None:
+def test_vllm_b2_mla_hybrid_block_uses_the_packed_page(kv_backend: Any, kv_reference: Any) -> None:
     """A known vLLM bug in Platform._align_hybrid_block_size (vllm/platforms/interface.py,
     0.32/0.33): the hybrid planner prices fp8_ds_mla MLA at 576 B/token. For an MLA + Mamba
     hybrid (state 806,400 B, MLA floor 128) that picks block 1408 (page 811,008 B); the
@@ -249,24 +249,35 @@ def test_vllm_b2_mla_hybrid_block_uses_the_packed_page(kv_backend: Any) -> None:
     Derived: 128 * cdiv(806,400, 128 * 656) = 128 * 10 = 1280 (page 1280 x 656 = 839,680 B); the
     planner's 576 B/token is what plain fp8 MLA costs ((512 + 64) x 1 B), for which
     128 * cdiv(806,400, 128 * 576) = 128 * 11 = 1408 (page 1408 x 576 = 811,008 B) is right.
+
+    vLLM 0.23 ... 0.26 (no ``mla_hybrid_block_floor``) align to k = 16: 16 * cdiv(806,400, 16 * 656)
+    = 16 * 77 = 1232 (page 808,192 B); at 576 B/token 16 * cdiv(806,400, 9,216) = 16 * 88 = 1408.
     """
     s = MLA_MAMBA()
     got = call_rule(kv_backend, "align_hybrid_block_size", scenario=s)
-    assert (got.attn_page_bytes_per_token, got.block_size) == (656, 1280)
-    assert got.state_page_padded_bytes == 839_680
+    block, page = (1280, 839_680) if kv_reference.release.has("mla_hybrid_block_floor") else (1232, 808_192)
+    assert (got.attn_page_bytes_per_token, got.block_size) == (656, block)
+    assert got.state_page_padded_bytes == page
     fp8 = call_rule(kv_backend, "align_hybrid_block_size", scenario=s.with_runtime(kv_cache_dtype="fp8"))
     assert (fp8.attn_page_bytes_per_token, fp8.block_size, fp8.page_size_bytes) == (576, 1408, 811_008)
 
 
 @pytest.mark.kvconform_rule("unification")
-def test_vllm_b2_planner_block_makes_unify_repad_mamba(kv_backend: Any) -> None:
+def test_vllm_b2_planner_block_makes_unify_repad_mamba(kv_backend: Any, kv_reference: Any) -> None:
     """The same vLLM bug: at the planner's block 1408 the real MLA page is 1408 x 656 = 923,648 B,
     above the Mamba page padded to 811,008 B, so unify quietly re-pads Mamba to 923,648 B (14.54 %
-    over the 806,400 B state instead of 4.13 % at block 1280)."""
+    over the 806,400 B state instead of 4.13 % at block 1280).
+
+    vLLM 0.23 ... 0.25 (no ``mamba_page_padding``) do not re-pad: 811,008 B does not divide
+    923,648 B, so unification raises NotImplementedError."""
     s = MLA_MAMBA()
     planner = align_hybrid_block_size(576, 806_400, use_mla=True)
-    specs = layer_specs(s, planner)
+    specs = layer_specs(s, planner, release=kv_reference.release)
     assert {x.page_size_bytes for x in specs.values()} == {923_648, 811_008}
+    if not kv_reference.release.has("mamba_page_padding"):  # vLLM 0.23 ... 0.25
+        answer = outcome(kv_backend, "unify_page_sizes", specs, scenario=s)
+        assert answer == ("rejects", "NotImplementedError")
+        return
     out = unify(kv_backend, s, specs, "pad-to-max")
     mla = [x for x in out.values() if isinstance(x, AttentionSpec)]
     state = [x for x in out.values() if isinstance(x, MambaSpec)]
@@ -293,12 +304,15 @@ def test_vllm40128_turboquant_lcm_policies(kv_backend: Any, kv_reference: Any, p
     * lcm (#40128, closed unmerged): target 776 x 16,300 = 12,648,800 B, attention block 16,300,
       Mamba padded by 0.0028 %;
     * pad-to-max (vLLM 0.33): the attention page is padded to the whole state page at block 1;
-    * scale-only (vLLM before #45181): NotImplementedError with vLLM's exact text.
+    * scale-only (vLLM before #45181): NotImplementedError with vLLM's exact text. vLLM 0.23's own
+      unification (no ``attention_page_padding``) is scale-only: pad-to-max there raises the same.
     """
     specs = kv_reference.layer_specs(TQ_LCM())
     attn, state = "layer_specs.0.0", "layer_specs.1.0"
     assert (specs[attn].page_size_bytes, specs[state].page_size_bytes) == (776, 12_648_448)
-    if policy == "scale-only":
+    if policy == "scale-only" or (
+        policy == "pad-to-max" and not kv_reference.release.has("attention_page_padding")
+    ):
         with pytest.raises(NotImplementedError) as info:
             unify(kv_backend, TQ_LCM(), specs, policy, raises=True)
         assert str(info.value) == SCALE_ONLY_TEXT
@@ -334,7 +348,7 @@ KIMI_B2 = regression("kimi-linear-mla-kda-fp8-ds-mla-probe")
 
 
 @pytest.mark.kvconform_rule("hybrid_alignment")
-def test_vllm_b2_kimi_linear_block_uses_the_packed_page(kv_backend: Any) -> None:
+def test_vllm_b2_kimi_linear_block_uses_the_packed_page(kv_backend: Any, kv_reference: Any) -> None:
     """The same vLLM bug on a real MLA + state architecture (KimiLinear: MLA + KDA), so the
     vllm backend runs vLLM's own ``_align_hybrid_block_size`` on it.
 
@@ -342,11 +356,17 @@ def test_vllm_b2_kimi_linear_block_uses_the_packed_page(kv_backend: Any) -> None
     128 * cdiv(2,170,880, 128 * 576) = 3840 and a state page padded to 2,211,840 B, below the real
     3840 * 656 B attention page. Right: 656 B/token -> 128 * cdiv(2,170,880, 83,968) = 3328 tokens,
     page 2,183,168 B. The KDA state is notes e4's: (3, 12288) bf16 + (32, 128, 128) fp32.
+
+    vLLM 0.23 ... 0.26 (no ``mla_hybrid_block_floor``): 16 * cdiv(2,170,880, 16 * 656) = 16 * 207 =
+    3312 tokens, page 2,172,672 B.
     """
     s = KIMI_B2()
     got = call_rule(kv_backend, "align_hybrid_block_size", scenario=s)
     assert (got.attn_page_bytes_per_token, got.state_page_bytes) == (656, 2_170_880)
-    assert (got.block_size, got.state_page_padded_bytes) == (3328, 2_183_168)
+    floor = kv_reference.release.has("mla_hybrid_block_floor")
+    assert (got.block_size, got.state_page_padded_bytes) == (
+        (3328, 2_183_168) if floor else (3312, 2_172_672)
+    )
 
 
 # ----------------------------------------------------------------------------- goldens
