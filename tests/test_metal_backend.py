@@ -98,3 +98,20 @@ def test_state_slot_is_billed_fp32_when_pages_are_not_padded(metal: MetalBackend
         "num_value_heads = 16\nkey_head_dim = 128\nvalue_head_dim = 128\nconv_kernel = 4\n"
     )
     assert metal.one_sequence_bytes(16, None, scenario=scenario) == 36_864 + 1_048_576
+
+
+@pytest.mark.parametrize("release", ["0.27", "0.29", "0.33"])
+def test_the_pool_is_sized_from_the_whole_budget_in_every_release(release: str) -> None:
+    """Granite-4.0-H-tiny: Mamba2 state page 3 * (3072 + 2 * 128) * 2 + 48 * 64 * 128 * 2 =
+    806,400 B, attention 2 * 4 * 128 * 2 = 2,048 B/token, so block 16 * cdiv(806,400, 32,768) =
+    400 and pages of 819,200 B; 4 attention + 36 Mamba layers give group size 4 and 3,276,800 B
+    per block. The 8 GiB budget holds 8,589,934,592 // 3,276,800 = 2,621 blocks whether or not
+    the release takes the null block out of the admission budget (0.29+): adding that block back
+    before 0.29 counted 2,622."""
+    from pytest_kvconform.reference.releases import rule_set
+
+    metal, reference = MetalBackend(), ReferenceBackend()
+    metal.release = reference.release = rule_set(release)
+    scenario = load_scenario("granite-4.0-h-tiny")
+    check = metal.check_memory(reference.layer_specs(scenario), scenario=scenario)
+    assert (check.bytes_per_block, check.num_blocks) == (3_276_800, 2_621)

@@ -167,7 +167,9 @@ class MetalBackend(ReferenceBackend):
             # pads them, and the pool follows the layout vLLM plans (the probes of vLLM core).
             return upstream
         per_block = _pool_bytes_per_block(list(specs.values()))
-        available = upstream.available_bytes + upstream.bytes_per_block  # the budget before the null block
+        available = upstream.available_bytes  # the admission budget; from vLLM 0.29, less the null block
+        if self.release.has("null_block_reserved"):
+            available += upstream.bytes_per_block  # the pool is sized from the whole budget
         return dataclasses.replace(
             upstream, bytes_per_block=per_block, num_blocks=KVPool.num_blocks_for_budget(available, per_block)
         )
