@@ -227,7 +227,8 @@ def expectations(backend: Any, reference: Any, scenario: Scenario) -> None:
             )
             raise Departure(message, "plan", f"{table}.{REJECTS}", want, have, pytrace=False)
         return
-    got = call_rule(backend, "plan", scenario=scenario).to_dict()
+    answer = call_rule(backend, "plan", scenario=scenario)
+    got = {**{k: getattr(answer, k) for k in KVPlan.field_names()}, **answer.to_dict()}
     stated = [(table, k, v) for k, (table, v) in expect.items()]
     stated += [("expect.external", k, v) for k, v in external.items()]
     wrong = [(f"{table}.{k}", v, got[k]) for table, k, v in stated if not _matches(v, got[k])]

@@ -59,7 +59,16 @@ def _parse_set(item: str) -> tuple[str, object]:
 
 def _format_text(plan: dict[str, object]) -> str:
     width = max(len(k) for k in plan)
-    return "\n".join(f"{k:<{width}}  {v}" for k, v in plan.items())
+
+    def lines(k: str, v: object) -> list[str]:
+        if k == "engine_defaults":  # one line per default applied, the key on the first
+            assert isinstance(v, list)
+            return [f"{k if i == 0 else '':<{width}}  {item}" for i, item in enumerate(v)] or [
+                f"{k:<{width}}  none: the scenario states every such setting"
+            ]
+        return [f"{k:<{width}}  {v}"]
+
+    return "\n".join(line for k, v in plan.items() for line in lines(k, v))
 
 
 def _scenario(args: argparse.Namespace) -> Any:
@@ -78,13 +87,13 @@ def _backend(args: argparse.Namespace) -> Any:
         raise CliError(str(exc)) from None
 
 
-def _plan(backend: Any, scenario: Any) -> Any:
-    """``backend.plan`` under the exception contract: a rejection propagates (exit 1), anything
-    else becomes a one-line :class:`CliError`."""
+def _plan(backend: Any, scenario: Any, method: str = "plan") -> Any:
+    """``backend.plan`` (or ``method``) under the exception contract: a rejection propagates
+    (exit 1), anything else becomes a one-line :class:`CliError`."""
     from .errors import REJECTIONS, RuleNotApplicable
 
     try:
-        return backend.plan(scenario=scenario)
+        return getattr(backend, method)(scenario=scenario)
     except RuleNotApplicable as exc:
         raise CliError(f"backend {backend.name!r} cannot answer {scenario.name!r}: {exc}") from None
     except REJECTIONS:
@@ -99,14 +108,37 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from .errors import REJECTIONS
 
     scenario = _scenario(args)
-    backend = with_release(_backend(args), _release(args)[0])
+    release = _release(args)[0]
+    backend = with_release(_backend(args), release)
     try:
-        result = _plan(backend, scenario).to_dict()
+        result = _plan_with_settings(backend, scenario, release)
     except REJECTIONS as exc:  # a valid scenario that vLLM's own rules reject (e.g. a TP split)
         print(f"kvconform: {scenario.name}: rejected: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     print(json.dumps(result, sort_keys=True) if args.json else _format_text(result))
     return 0
+
+
+def _plan_with_settings(backend: Any, scenario: Any, release: Any) -> dict[str, Any]:
+    """The plan's fields, then the settings the engine's defaults decide as the plan used them
+    (after the platform's hook) and the defaults applied to what the file leaves unset, each
+    naming its vLLM function (``reference.defaults``; docs/engine-defaults.md). A backend that
+    composes its plan reports its own trace; another is shown the reference's defaults."""
+    from .provenance import composes_plan
+    from .reference.defaults import engine_defaults
+
+    if composes_plan(backend) and callable(getattr(backend, "trace", None)):
+        trace = _plan(backend, scenario, "trace")
+        plan, planned = trace.plan, trace.scenario
+        configured = trace.step("platform config")
+        if configured is not None and configured.value is not None:
+            planned = dataclasses.replace(configured.value, defaults_applied=planned.defaults_applied)
+    else:
+        plan, planned = _plan(backend, scenario), engine_defaults(scenario, release)[0]
+    rt = planned.runtime
+    return {**plan.to_dict(), "mamba_cache_mode": rt.mamba_cache_mode,
+            "max_concurrent_batches": rt.max_concurrent_batches,
+            "engine_defaults": list(planned.defaults_applied)}  # fmt: skip
 
 
 def _release(args: argparse.Namespace) -> tuple[Any, str]:

@@ -138,6 +138,9 @@ def _runtime(trace: PlanTrace) -> RuntimeSettings:
 
 #: step title -> the lines that explain its value
 FORMATS: dict[str, Callable[[Any, PlanTrace], list[str]]] = {
+    "engine defaults": lambda v, trace: (
+        list(v.defaults_applied) or ["the scenario states every such setting"]
+    ),
     "platform config": _platform,
     "hybrid alignment": _alignment,
     "block choice": _choice,

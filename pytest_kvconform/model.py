@@ -75,6 +75,10 @@ class MemoryCheck:
     max_model_len_estimate: int  # largest max_model_len that fits `available_bytes` (0: none)
     #: ``get_max_concurrency_for_kv_cache_config``: num_blocks / blocks one request needs (0: none)
     max_concurrency: float = 0.0
+    #: the ``max_model_len`` ``_auto_fit_max_model_len`` left (``max_model_len = -1``); None: no auto-fit
+    max_model_len: int | None = None
+    #: the text ``_auto_fit_max_model_len`` logged ("": no auto-fit, or it raised)
+    auto_fit: str = ""
 
 
 @dataclass(frozen=True)
@@ -105,12 +109,23 @@ class KVPlan:
     admission: str
     max_model_len_estimate: int
     group_kinds: tuple[str, ...] = ()
+    #: ``max_model_len = -1``: the length ``_auto_fit_max_model_len`` chose (0: no auto-fit)
+    auto_fit_max_model_len: int = 0
+    #: ... and the text it logged ("": no auto-fit)
+    auto_fit_message: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["group_kinds"] = list(self.group_kinds)
+        for name in _ONLY_WHEN_SET:  # absent from the records (goldens) of plans without auto-fit
+            if not d[name]:
+                del d[name]
         return d
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in dataclasses.fields(cls))
+
+
+#: :class:`KVPlan` fields :meth:`KVPlan.to_dict` leaves out while they hold their default.
+_ONLY_WHEN_SET = ("auto_fit_max_model_len", "auto_fit_message")

@@ -55,6 +55,11 @@ MODEL_DTYPES = ("float16", "bfloat16", "float32")
 #: ``MambaDType`` of vLLM 0.33.
 MAMBA_DTYPES = ("auto", "float16", "bfloat16", "float32")
 MAMBA_CACHE_MODES = ("none", "align")
+#: ``[runtime]`` keys whose default is the engine's, by release and model kind: a file that does
+#: not state one leaves it *unset* (:attr:`RuntimeSettings.unset`) and the plan gives it what
+#: ``vllm serve`` sets (``reference.defaults``; docs/engine-defaults.md). Until then it holds the
+#: format's own value (the field default).
+DEFAULTED = ("mamba_cache_mode", "max_concurrent_batches")
 #: ``SpeculativeConfig.method`` values the format names (vllm/config/speculative.py); ``auto``:
 #: ``mtp`` when the model ships MTP modules (``num_nextn_predict_layers``), else ``ngram``.
 SPECULATIVE_METHODS = ("auto", "mtp", "eagle", "eagle3", "ngram", "draft_model")
@@ -88,6 +93,26 @@ class AttentionGeometry:
     sliding_window: int | None = None
     attention_chunk_size: int | None = None
     num_attention_heads: int = 0  # query heads; only the Metal runtime needs them
+    #: Gemma 4's ``global_head_dim`` / ``num_global_key_value_heads``: the head size and KV heads
+    #: of the full-attention layers when they differ from the sliding ones (None: the same)
+    global_head_dim: int | None = None
+    num_global_kv_heads: int | None = None
+
+    @property
+    def is_heterogeneous(self) -> bool:
+        """Whether full-attention layers have their own head size or KV heads."""
+        return self.global_head_dim is not None or self.num_global_kv_heads is not None
+
+    def for_layer(self, kind: str) -> AttentionGeometry:
+        """The geometry of one layer of spec ``kind``: full-attention layers take the global head
+        size and KV heads (transformers' ``Gemma4TextConfig.per_layer_config``), the others these."""
+        if kind != "full_attention" or not self.is_heterogeneous:
+            return self
+        return dataclasses.replace(
+            self, head_dim=self.global_head_dim or self.head_dim,
+            num_kv_heads=self.num_global_kv_heads or self.num_kv_heads,
+            global_head_dim=None, num_global_kv_heads=None,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -121,6 +146,9 @@ class ModelGeometry:
     attention: AttentionGeometry | None = None
     state: StateGeometry | None = None
     num_nextn_predict_layers: int = 0  # MTP modules the checkpoint ships
+    #: the context length vLLM derives from the HF config (``max_position_embeddings``); what
+    #: ``[runtime] max_model_len = -1`` starts auto-fit from (0: not stated)
+    max_position_embeddings: int = 0
     hf_id: str = ""
     sources: tuple[str, ...] = ()
     confidence: str = ""
@@ -167,6 +195,10 @@ class RuntimeSettings:
     """``[runtime]``: what the server is started with."""
 
     max_model_len: int = 4096
+    #: ``max_model_len = -1`` (or ``"auto"``) in the file: vLLM's ``original_max_model_len == -1``,
+    #: ``_auto_fit_max_model_len`` picks the length; ``max_model_len`` then holds the length vLLM
+    #: derives, the model's ``max_position_embeddings``
+    auto_fit_max_model_len: bool = False
     tensor_parallel_size: int = 1
     block_size: int = 16
     user_specified_block_size: bool = False
@@ -193,6 +225,10 @@ class RuntimeSettings:
     additional_config: str = "{}"
     #: ``(name, value)`` environment variables set only while the backend runs (a plugin's switches)
     env: tuple[tuple[str, str], ...] = ()
+    #: The keys of :data:`DEFAULTED` the scenario file does not state (sorted): the engine's
+    #: default applies (``reference.defaults.engine_defaults``); their values above are the
+    #: format's until then. Settings built in code state every key.
+    unset: tuple[str, ...] = ()
 
     @property
     def additional_config_dict(self) -> dict[str, Any]:
@@ -213,6 +249,9 @@ class Scenario:
     #: ``[expect.before.<change>]``: per change of ``reference.releases.CHANGES``, the values its
     #: fields take under the releases that lack that change (:meth:`expect_for`)
     expect_before: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    #: the engine defaults given to its unset settings (``reference.defaults``), one line each:
+    #: ``key = value: why``, naming the vLLM function that sets it
+    defaults_applied: tuple[str, ...] = ()
 
     @property
     def is_spec_level(self) -> bool:
@@ -220,7 +259,7 @@ class Scenario:
 
     def with_runtime(self, **changes: Any) -> Scenario:
         """A copy with runtime settings changed (``kvconform plan --set``); validated."""
-        known = {f.name for f in dataclasses.fields(RuntimeSettings)}
+        known = {f.name for f in dataclasses.fields(RuntimeSettings)} - {"unset"}
         for key in changes:
             if key not in known:
                 raise ScenarioError(
@@ -228,6 +267,7 @@ class Scenario:
                 )
         if "block_size" in changes:  # as in a file: setting it is passing --block-size
             changes.setdefault("user_specified_block_size", True)
+        changes["unset"] = tuple(k for k in self.runtime.unset if k not in changes)  # now stated
         runtime = dataclasses.replace(self.runtime, **changes)
         _check_runtime(runtime, self.source)
         return dataclasses.replace(self, runtime=runtime, expect={}, expect_external={}, expect_before={})
@@ -304,6 +344,13 @@ def scenario_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Scena
     model = _read_model(r.table("model"), source) if "model" in data else None
     specs = _read_layer_specs(data["layer_specs"], source) if "layer_specs" in data else ()
     runtime = _read_runtime(r.table("runtime", required=False), source)
+    if runtime.auto_fit_max_model_len:  # vLLM derives max_model_len from the model, then auto-fits
+        if model is None or not model.max_position_embeddings:
+            raise ScenarioError(
+                source, "runtime.max_model_len",
+                "-1 (auto-fit) needs [model] max_position_embeddings (the length vLLM derives)",
+            )  # fmt: skip
+        runtime = dataclasses.replace(runtime, max_model_len=model.max_position_embeddings)
     expect = dict(r.table("expect", required=False).data)
     external = expect.pop("external", {})
     if not isinstance(external, Mapping):
@@ -423,7 +470,8 @@ class _Reader:
 def _read_model(r: _Reader, source: str) -> ModelGeometry:
     r.done(
         allowed={"hf_id", "architecture", "dtype", "num_hidden_layers", "layers", "sources",
-                 "confidence", "notes", "attention", "state", "num_nextn_predict_layers"}
+                 "confidence", "notes", "attention", "state", "num_nextn_predict_layers",
+                 "max_position_embeddings"}
     )  # fmt: skip
     n = r.int("num_hidden_layers")
     layers = r.str("layers")
@@ -442,6 +490,8 @@ def _read_model(r: _Reader, source: str) -> ModelGeometry:
     if needs_state != ("state" in r.data):
         raise r.fail("state", "expected [model.state] exactly when layers has M/P")
     attention = _read_attention(r.table("attention"), layers) if needs_attention else None
+    if attention is not None and attention.is_heterogeneous and needs_state:
+        raise r.fail("attention", "global_head_dim / num_global_kv_heads: not modelled with state layers")
     state = _read_state(r.table("state")) if needs_state else None
     return ModelGeometry(
         architecture=r.str("architecture"),
@@ -451,6 +501,7 @@ def _read_model(r: _Reader, source: str) -> ModelGeometry:
         attention=attention,
         state=state,
         num_nextn_predict_layers=r.int("num_nextn_predict_layers", default=0, minimum=0),
+        max_position_embeddings=r.int("max_position_embeddings", default=0),
         hf_id=r.str("hf_id", default=""),
         sources=tuple(sources),
         confidence=r.str("confidence", default=""),
@@ -458,15 +509,23 @@ def _read_model(r: _Reader, source: str) -> ModelGeometry:
     )
 
 
+#: ``[model.attention]`` keys of the full-attention layers' own geometry (Gemma 4).
+_GLOBAL_KEYS = ("global_head_dim", "num_global_kv_heads")
+
+
 def _read_attention(r: _Reader, layers: str) -> AttentionGeometry:
     kind = r.str("kind", choices=ATTENTION_KINDS)
     common = {"kind", "sliding_window", "attention_chunk_size", "num_attention_heads"}
     if kind == "gqa":
-        r.done(allowed=common | {"num_kv_heads", "head_dim", "head_dim_v"})
+        r.done(allowed=common | {"num_kv_heads", "head_dim", "head_dim_v", *_GLOBAL_KEYS})
         geo = AttentionGeometry(
             kind=kind, num_kv_heads=r.int("num_kv_heads"), head_dim=r.int("head_dim"),
             head_dim_v=r.int("head_dim_v", default=None),
+            global_head_dim=r.int("global_head_dim", default=None),
+            num_global_kv_heads=r.int("num_global_kv_heads", default=None),
         )  # fmt: skip
+        if geo.is_heterogeneous and geo.head_dim_v is not None:
+            raise r.fail("head_dim_v", "not modelled together with global_head_dim / num_global_kv_heads")
     else:
         r.done(allowed=common | {"kv_lora_rank", "qk_rope_head_dim", "indexer_head_dim", "indexer_layers"})
         indexer_layers = r.str("indexer_layers", default="") or None
@@ -523,7 +582,13 @@ def _read_runtime(r: _Reader, source: str) -> RuntimeSettings:
     registered = r.table("registered_kv_cache_dtypes", required=False)
     env = r.table("env", required=False)
     defaults = RuntimeSettings()
-    values: dict[str, Any] = {k: r.int(k, default=getattr(defaults, k)) for k in ints}
+    # max_model_len = -1 / "auto": auto-fit from the derived length (set by scenario_from_dict)
+    auto_fit = r.data.get("max_model_len") in (-1, "auto")  # (True and False are 1 and 0)
+    values: dict[str, Any] = {
+        k: r.int(k, default=getattr(defaults, k)) for k in ints if not (auto_fit and k == "max_model_len")
+    }
+    values["max_model_len"] = values.get("max_model_len", defaults.max_model_len)
+    values["auto_fit_max_model_len"] = auto_fit
     values["registered_kv_cache_dtypes"] = tuple(
         (name, registered.str(name, choices=tuple(SPEC_DTYPES))) for name in sorted(registered.data)
     )
@@ -535,6 +600,7 @@ def _read_runtime(r: _Reader, source: str) -> RuntimeSettings:
     values["additional_config"] = json.dumps(dict(r.table("additional_config", required=False).data),
                                              sort_keys=True)  # fmt: skip
     values["env"] = tuple((name, env.str(name)) for name in sorted(env.data))
+    values["unset"] = tuple(k for k in DEFAULTED if k not in r.data)
     # Writing block_size is passing --block-size, unless the file says otherwise.
     values["user_specified_block_size"] = r.bool("user_specified_block_size", "block_size" in r.data)
     if not values["user_specified_block_size"] and values["block_size"] != defaults.block_size:
@@ -558,6 +624,11 @@ def _check_runtime(rt: RuntimeSettings, source: str) -> None:
                 raise ScenarioError(source, f"runtime.{f.name}", f"expected one of {choices}; got {v!r}")
         elif f.name == "registered_kv_cache_dtypes":
             continue  # validated when read
+        elif f.name == "unset":
+            if not (isinstance(v, tuple) and set(v) <= set(DEFAULTED) and list(v) == sorted(set(v))):
+                raise ScenarioError(
+                    source, "runtime.unset", f"expected sorted names from {', '.join(DEFAULTED)}, got {v!r}"
+                )
         elif f.name == "env":
             if not (isinstance(v, tuple) and all(isinstance(k, str) and isinstance(x, str) for k, x in v)):
                 raise ScenarioError(
@@ -565,7 +636,7 @@ def _check_runtime(rt: RuntimeSettings, source: str) -> None:
                 )
         elif f.name == "additional_config":
             _check_additional_config(v, source)
-        elif f.name == "user_specified_block_size":
+        elif f.name in ("user_specified_block_size", "auto_fit_max_model_len"):
             if not isinstance(v, bool):
                 raise ScenarioError(source, f"runtime.{f.name}", f"expected true or false, got {v!r}")
         elif v is not None or f.name not in ("num_gpu_blocks_override", "max_num_seqs"):

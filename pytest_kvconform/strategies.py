@@ -24,8 +24,10 @@ HYBRID_ARCHITECTURES = {
     "kda": ("KimiLinearForCausalLM",),
     "short_conv": ("Lfm2ForCausalLM",),
 }
-#: Dense architectures: full-attention GQA, GQA with sliding-window layers, MLA.
+#: Dense architectures: full-attention GQA, GQA with sliding-window layers, the same with the full
+#: layers' own head size and KV heads (Gemma 4's global_head_dim / num_global_key_value_heads), MLA.
 DENSE_ARCHITECTURES = {"gqa": ("LlamaForCausalLM", "Qwen3ForCausalLM"), "sliding": ("Gemma3ForCausalLM",),
+                       "sliding-global": ("Gemma4ForCausalLM",),
                        "mla": ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")}  # fmt: skip
 #: The hybrid layers of these families derive head_dim from their hidden size (which the state
 #: geometry fixes): the attention must split it into whole heads.
@@ -108,11 +110,15 @@ def scenario_dicts(draw: st.DrawFn, hybrid: bool | None = None) -> dict[str, Any
         architecture = draw(st.sampled_from(DENSE_ARCHITECTURES[family]))
         attention = mla_table(draw) if family == "mla" else gqa_table(draw)
         layers = "A" * n
-        if family == "sliding":  # Gemma 3's pattern: every k-th layer global, the others local
+        if family.startswith("sliding"):  # Gemma 3/4's pattern: every k-th layer global, the others local
             dtype = "bfloat16"  # vLLM refuses float16 for gemma3_text (numerical instability)
             period = draw(st.integers(2, 6))
             layers = "".join("A" if (i + 1) % period == 0 else "S" for i in range(n))
             attention["sliding_window"] = draw(st.sampled_from([128, 512, 1024, 4096]))
+        if family == "sliding-global":  # the full layers' own geometry; Gemma 4 ends on a full layer
+            layers = layers[:-1] + "A"
+            attention["global_head_dim"] = draw(st.sampled_from([128, 256, 512]))
+            attention["num_global_kv_heads"] = draw(st.sampled_from([1, 2, 4, 8]))
     model = {"architecture": architecture, "dtype": dtype, "num_hidden_layers": n, "layers": layers,
              "attention": attention}  # fmt: skip
     if state is not None:
@@ -136,7 +142,14 @@ def scenario_dicts(draw: st.DrawFn, hybrid: bool | None = None) -> dict[str, Any
         runtime["decode_context_parallel_size"] = draw(st.sampled_from(ranks))
     if draw(st.booleans()):  # a --block-size; else vLLM's default and Phase 1
         runtime["block_size"] = draw(st.sampled_from([16, 32, 64, 128]))
+    if draw(st.integers(0, 3)) == 0:  # max_model_len = -1: auto-fit from the length vLLM derives
+        model["max_position_embeddings"] = runtime["max_model_len"]
+        runtime["max_model_len"] = -1
     return {"schema": "kv-scenario/1", "name": "generated", "model": model, "runtime": runtime}
+
+
+def _head_shape(attention: Any) -> tuple[int, int]:
+    return attention.head_dim, attention.num_kv_heads
 
 
 def exercised_rules(scenario: Scenario) -> tuple[str, ...]:
@@ -159,6 +172,8 @@ def exercised_rules(scenario: Scenario) -> tuple[str, ...]:
         model.is_hybrid,
         model.use_mla,
         rt.kv_cache_dtype != "auto",
+        gqa and "A" in model.layers and _head_shape(attn.for_layer("full_attention")) != _head_shape(attn),
+        rt.auto_fit_max_model_len,
     )
     return tuple(name for name, hit in zip(EXERCISABLE_RULES, hits, strict=True) if hit)
 
@@ -176,6 +191,8 @@ EXERCISABLE_RULES = (
     "hybrid state pages",
     "MLA",
     "quantized KV cache",
+    "per-layer attention geometry",
+    "auto-fit max_model_len (-1)",
 )
 
 

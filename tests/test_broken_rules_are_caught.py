@@ -1,6 +1,7 @@
-"""Each TP-, speculation-, window-, DCP- and dtype-dependent rule, broken in a backend, fails some
-packaged scenario's ``[expect]`` (numbers derived by hand in docs/scenario-derivations.md, not by
-the reference): the packaged scenarios reach every one of these rules.
+"""Each TP-, speculation-, window-, per-layer-geometry-, DCP- and dtype-dependent rule, broken in
+a backend, fails some packaged scenario's ``[expect]`` (numbers derived by hand in
+docs/scenario-derivations.md, not by the reference): the packaged scenarios reach every one of
+these rules.
 
 And the checks that used to hide a failure (issue 18) catch a broken backend now: the MLA case
 of the allocation suite's one-sequence pool check, and the plan benchmark's error handling.
@@ -68,6 +69,18 @@ class WindowsAsFull(Broken):
         return dataclasses.replace(s, model=model)
 
 
+class FullLayersAsSliding(Broken):
+    """Full-attention layers given the sliding layers' head size and KV heads (Gemma 4's
+    global_head_dim / num_global_key_value_heads ignored)."""
+    name = "full-layers-as-sliding"
+    def changed(self, s):
+        attn = s.model.attention
+        if attn is None or not attn.is_heterogeneous:
+            return s
+        attn = dataclasses.replace(attn, global_head_dim=None, num_global_kv_heads=None)
+        return dataclasses.replace(s, model=dataclasses.replace(s.model, attention=attn))
+
+
 class Fp8AsModelDtype(Broken):
     name = "fp8-as-model-dtype"
     def changed(self, s):
@@ -130,6 +143,7 @@ class PlanNotProvided(ReferenceBackend):
         ("IgnoresDcp", {"deepseek-v3-dcp8"}),
         ("IgnoresSpeculation", {"qwen3.5-35b-a3b-mtp1", "qwen3-next-80b-a3b-mtp2-tp4"}),
         ("WindowsAsFull", {"gemma-3-27b-it", "gpt-oss-20b"}),
+        ("FullLayersAsSliding", {"gemma-4-31b-it"}),
         ("Fp8AsModelDtype", {"deepseek-v3-fp8"}),
     ],
 )

@@ -166,8 +166,10 @@ def test_explain_shows_each_step_with_its_numbers_and_vllm_function(
     # padded by 819200 - 806400 = 12800 B = 1.59 %. 36 Mamba + 4 attention layers in groups of 4:
     # 10 groups, 4 x 819200 = 3276800 B per block; 8 GiB // 3276800 = 2621 blocks.
     for fragment in [
-        "1. platform config  [vllm/platforms/interface.py::Platform.check_and_update_config]",
-        "2. hybrid alignment  [vllm/platforms/interface.py::Platform._align_hybrid_block_size]",
+        "1. engine defaults  [vllm/engine/arg_utils.py::EngineArgs.",
+        "the scenario states every such setting",
+        "2. platform config  [vllm/platforms/interface.py::Platform.check_and_update_config]",
+        "3. hybrid alignment  [vllm/platforms/interface.py::Platform._align_hybrid_block_size]",
         "806400 / 2048 = 393.75 tokens", "block 400", "attention page 400 x 2048 = 819200 B",
         "state page padded 806400 -> 819200 B (+1.59%)",
         "[vllm/v1/core/kv_cache_planning.py::unify_kv_cache_spec_page_size]",
@@ -192,8 +194,8 @@ def test_explain_with_a_backend_names_the_first_departing_step(
 ) -> None:
     code, out, _ = run(capsys, "explain", GRANITE, "--backend", "clicheck:WrongAlignment")
     assert code == 1
-    assert out.splitlines()[-1] == "backend wrong-alignment departs first at step 2 (hybrid alignment)"
-    assert "2. hybrid alignment" in out and "DEPARTS: block_size: reference 400, backend 416" in out
+    assert out.splitlines()[-1] == "backend wrong-alignment departs first at step 3 (hybrid alignment)"
+    assert "3. hybrid alignment" in out and "DEPARTS: block_size: reference 400, backend 416" in out
     code, out, _ = run(capsys, "explain", GRANITE, "--backend", "clicheck:Empty")
     assert code == 0 and "backend empty" in out and "no departure" in out and "inherited" in out
 

@@ -146,7 +146,7 @@ def test_the_report_says_which_process_answered(
     monkeypatch.setenv("PYTHONPATH", f"{TOY}:{ROOT}")
     result = pytester.runpytest_subprocess(
         "-p", "no:cacheprovider", "--pyargs", "pytest_kvconform.suites.test_kvconform_rules",
-        "-k", "test_attention_page_bytes and qwen2", "--kvconform-backend=toy-wide-heads",
+        "-k", "test_attention_page_bytes and qwen2 and tp4", "--kvconform-backend=toy-wide-heads",
         "--kvconform-report=r.json",
     )  # fmt: skip
     result.assert_outcomes(passed=1)

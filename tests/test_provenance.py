@@ -217,5 +217,5 @@ def test_explain_backend_names_the_first_departing_step(
         sys.path.remove(str(tmp_path))
     out = capsys.readouterr().out
     assert code == 1
-    assert "departs first at step 6 (state page)" in out
+    assert "departs first at step 7 (state page)" in out
     assert "DEPARTS: value: reference 806400, backend 806401" in out

@@ -29,6 +29,8 @@ def scenario(layers: str = "A" * 4, *, nextn: int = 0, attention: dict[str, Any]
         model["attention"] = attention
     if nextn:
         model["num_nextn_predict_layers"] = nextn
+    # the format's values, not the engine's defaults (reference.defaults)
+    runtime = {"mamba_cache_mode": "none", "max_concurrent_batches": 1, **runtime}
     return scenario_from_dict({"schema": "kv-scenario/1", "name": "t", "model": model, "runtime": runtime})
 
 

@@ -490,6 +490,14 @@ def test_plan_is_deterministic(d):
     )
 
 
+def _full_layers_differ(attention: dict[str, Any]) -> bool:
+    """The full layers' head size or KV heads differ from the sliding layers' (Gemma 4)."""
+    return any(
+        key in attention and attention[key] != attention[base]
+        for key, base in (("global_head_dim", "head_dim"), ("num_global_kv_heads", "num_kv_heads"))
+    )
+
+
 #: Each rule :func:`strategies.exercised_rules` reports, as the raw scenario tables spell it (written
 #: here from the rule's meaning, not from exercised_rules).
 SPELLED = {
@@ -511,6 +519,8 @@ SPELLED = {
     "hybrid state pages": lambda m, rt: "state" in m and "M" in m["layers"] and "A" in m["layers"],
     "MLA": lambda m, rt: m["attention"]["kind"] == "mla",
     "quantized KV cache": lambda m, rt: rt["kv_cache_dtype"] != "auto",
+    "per-layer attention geometry": lambda m, rt: "A" in m["layers"] and _full_layers_differ(m["attention"]),
+    "auto-fit max_model_len (-1)": lambda m, rt: rt["max_model_len"] == -1 and m["max_position_embeddings"],
 }
 
 

@@ -69,8 +69,8 @@ MiB = 1 << 20
 def make_scenario(model: dict[str, Any], runtime: dict[str, Any] | None = None, name: str = "t") -> Scenario:
     """A model-level scenario from TOML-like dicts (the loader validates it)."""
     data: dict[str, Any] = {"schema": "kv-scenario/1", "name": name, "model": model}
-    if runtime:
-        data["runtime"] = runtime
+    # the derivations here assume the format's values, not the engine's defaults (reference.defaults)
+    data["runtime"] = {"mamba_cache_mode": "none", "max_concurrent_batches": 1, **(runtime or {})}
     return scenario_from_dict(data, f"<{name}>")
 
 
@@ -1179,3 +1179,37 @@ def test_qwen_gdn_prefill_checkpoint_block(release, extra_block_alignment, pages
     (state,) = {x for x in rules.layer_specs(scenario=s).values() if isinstance(x, MambaSpec)}
     assert state.num_prefill_checkpoint_blocks == pages - 2
     assert state.max_memory_usage_bytes(s.runtime) == pages * state.page_size_bytes
+
+
+# ---------------------------------------------------------------- per-layer geometry (Gemma 4)
+
+
+@pytest.mark.parametrize(
+    ("release", "groups"),
+    [
+        # primary block everywhere (before sliding_window_own_block): the full page 524,288 scales
+        ("0.24", [*[("sliding_window", 64, 1_048_576)] * 5, ("full_attention", 128, 1_048_576)]),
+        # the SW layer at the kernel block 16 (262,144 B), scaled to 32 to meet the full 64 x 8,192
+        ("0.29", [*[("sliding_window", 32, 524_288)] * 5, ("full_attention", 64, 524_288)]),
+        # the SW layer follows the primary block again (16 // 16 ... 64 // 16 * 16 = 64)
+        ("0.30", [*[("sliding_window", 64, 1_048_576)] * 5, ("full_attention", 128, 1_048_576)]),
+        ("0.33", [*[("sliding_window", 64, 1_048_576)] * 5, ("full_attention", 128, 1_048_576)]),
+    ],
+)
+def test_gemma4_unequal_pages_with_the_sliding_window_block_of_each_release(release, groups):
+    """Gemma 4 31B at --block-size 64: S layers 16 x 256 (16,384 B/token), A layers 4 x 512
+    (8,192 B/token). Where the SW layer's block comes from (``sliding_window_own_block``,
+    ``sliding_window_block_follows_primary``) decides which page is the larger one: worked by hand,
+    the smaller page's block scales by max page / page."""
+    from pytest_kvconform.reference.releases import rule_set
+    from pytest_kvconform.reference.rules import reference_rules
+
+    rules = reference_rules(rule_set(release))
+    s = load_scenario("gemma-4-31b-it").with_runtime(block_size=64)
+    specs = rules.layer_specs(scenario=s)
+    assert {(x.kind, x.num_kv_heads, x.head_size) for x in specs.values()} == {
+        ("sliding_window", 16, 256),
+        ("full_attention", 4, 512),
+    }
+    got = rules.kv_cache_groups(specs, scenario=s)
+    assert [(g.kind, g.block_size, g.page_size_bytes) for g in got] == groups

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from pytest_kvconform.scenario import (
+    DEFAULTED,
     SCHEMA,
     LayerSpecEntry,
     RuntimeSettings,
@@ -458,6 +459,33 @@ def test_mla_geometry_checks(tmp_path):
     assert (err.key, err.problem) == ("model.attention.indexer_head_dim", "expected an integer >= 0, got -1")
 
 
+def test_full_layer_geometry_checks(tmp_path):
+    """``global_head_dim`` / ``num_global_kv_heads`` (Gemma 4): the full layers' own geometry."""
+    gqa = {"kind": "gqa", "num_kv_heads": 16, "head_dim": 256, "sliding_window": 1024}
+    data = mutate(mutate(BASE, "model.attention", gqa), "model.layers", "SSSA")
+    del data["model"]["state"]
+    old = load_scenario(write(tmp_path, data)).model.attention
+    assert (old.global_head_dim, old.num_global_kv_heads, old.is_heterogeneous) == (None, None, False)
+    assert old.for_layer("full_attention") is old
+    data["model"]["attention"].update(global_head_dim=512, num_global_kv_heads=4)
+    attn = load_scenario(write(tmp_path, data)).model.attention
+    full = attn.for_layer("full_attention")
+    assert (full.head_dim, full.num_kv_heads, full.sliding_window) == (512, 4, 1024)
+    assert attn.for_layer("sliding_window") is attn
+    only_dim = mutate(data, "model.attention.num_global_kv_heads")
+    full = load_scenario(write(tmp_path, only_dim)).model.attention.for_layer("full_attention")
+    assert (full.head_dim, full.num_kv_heads) == (512, 16)
+    err = load_error(tmp_path, mutate(data, "model.attention.head_dim_v", 128))
+    assert err.key == "model.attention.head_dim_v"
+    err = load_error(tmp_path, mutate(data, "model.attention.global_head_dim", 0))
+    assert (err.key, err.problem) == ("model.attention.global_head_dim", "expected an integer >= 1, got 0")
+    hybrid = mutate(mutate(data, "model.layers", "MMMA"), "model.state", BASE["model"]["state"])
+    assert load_error(tmp_path, hybrid).key == "model.attention"
+    mla = {"kind": "mla", "kv_lora_rank": 512, "qk_rope_head_dim": 64, "global_head_dim": 512}
+    err = load_error(tmp_path, mutate(mutate(data, "model.attention", mla), "model.layers", "AAAA"))
+    assert (err.key, "unknown key" in err.problem) == ("model.attention.global_head_dim", True)
+
+
 @pytest.mark.parametrize(
     "text",
     [
@@ -650,4 +678,5 @@ def test_with_runtime_unknown_setting_is_a_scenario_error():
 
 def test_runtime_defaults():
     s = scenario_from_dict(mutate(BASE, "runtime"), "base.toml")
-    assert s.runtime == RuntimeSettings()
+    # the keys whose default is the engine's are unset (the plan gives them it: reference.defaults)
+    assert s.runtime == RuntimeSettings(unset=DEFAULTED)

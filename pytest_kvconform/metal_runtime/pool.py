@@ -258,14 +258,19 @@ def layers_from_scenario(
         raise ValueError(f"scale_layers={scale_layers} and scale_heads={scale_heads} must be >= 1")
     out: list[PoolLayer] = []
     attn = model.attention
-    n_attn = -(-model.num_attention_layers // scale_layers)
-    if attn is not None and n_attn:
-        if attn.kind == "mla":
-            layer = mla_layer(attn.kv_lora_rank, attn.qk_rope_head_dim, model.dtype)
-        else:
-            heads = max(1, attn.num_kv_heads // scale_heads)
-            layer = attention_layer(heads, attn.head_dim, model.dtype, attn.head_dim_v)
-        out.extend([layer] * n_attn)
+    if attn is not None and model.num_attention_layers:
+        kinds: list[PoolLayer] = []  # one per attention layer, in layer order
+        for code in model.layers:
+            if code not in "ASLXP":
+                continue
+            if attn.kind == "mla":
+                kinds.append(mla_layer(attn.kv_lora_rank, attn.qk_rope_head_dim, model.dtype))
+            else:  # full-attention layers may have their own head size and KV heads (Gemma 4)
+                g = attn.for_layer("full_attention" if code in "AP" else "other")
+                heads = max(1, g.num_kv_heads // scale_heads)
+                kinds.append(attention_layer(heads, g.head_dim, model.dtype, g.head_dim_v))
+        for layer in [k for i, k in enumerate(kinds) if k not in kinds[:i]]:  # each geometry, scaled
+            out.extend([layer] * -(-kinds.count(layer) // scale_layers))
     state = model.state
     n_state = -(-model.num_state_layers // scale_layers)
     if include_state and state is not None and n_state:

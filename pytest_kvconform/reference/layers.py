@@ -73,8 +73,9 @@ def layer_specs(
                 )  # fmt: skip
             else:
                 assert attn is not None
+                # full-attention layers may have their own head size and KV heads (Gemma 4)
                 built[kind] = attention_spec(
-                    attn, kind=kind, block_size=block, kv_cache_dtype=rt.kv_cache_dtype,
+                    attn.for_layer(kind), kind=kind, block_size=block, kv_cache_dtype=rt.kv_cache_dtype,
                     model_dtype=model.dtype, tensor_parallel_size=rt.tensor_parallel_size,
                     registered_dtypes=rt.registered_kv_cache_dtypes, release=release,
                 )  # fmt: skip

@@ -34,6 +34,13 @@ NO_MEMORY_ERROR = (
 )
 
 
+#: ``_auto_fit_max_model_len``'s error when not one token fits (vLLM 0.23 ... 0.33).
+AUTO_FIT_ERROR = (
+    "Cannot auto-fit max_model_len: not enough GPU memory available to serve even a single token. "
+    "Try increasing `gpu_memory_utilization`."
+)
+
+
 def format_gib(num_bytes: int) -> str:
     """``format_gib``: GiB rounded to two decimals by ``round`` (so ``1.0``, not ``1.00``)."""
     return f"{round(num_bytes / 2**30, 2)}"
@@ -54,6 +61,29 @@ def not_enough_memory_error(max_model_len: int, needed: int, available: int, est
         "`max_model_len` when initializing the engine. See "
         "https://docs.vllm.ai/en/latest/configuration/conserving_memory/ for more details."
     )
+
+
+def auto_fit_message(derived: int, fitted: int, memory: int, *, kv_cache_memory_text: bool) -> str:
+    """The text ``_auto_fit_max_model_len`` logs (``logger.info_once``) for one worker's ``memory``
+    bytes (the limiting worker's; the budget the admission check sees): ``fitted < derived``
+    reduces ``max_model_len``, else the model's whole context fits. From vLLM 0.32
+    (``auto_fit_kv_cache_memory_text``) it names "available KV cache memory (<GiB> GiB GPU)"
+    (``_kv_cache_device_name``: "GPU" on CUDA; the reference plans for CUDA); in 0.23 ... 0.31
+    "available GPU memory", the reduced form adding "(<GiB> GiB available for KV cache)"."""
+    gib = format_gib(memory)
+    if fitted >= derived:
+        return (
+            f"Auto-fit max_model_len: full model context length {derived} fits in available KV cache "
+            f"memory ({gib} GiB GPU)"
+            if kv_cache_memory_text
+            else f"Auto-fit max_model_len: full model context length {derived} fits in available GPU memory"
+        )
+    where = (
+        f"available KV cache memory ({gib} GiB GPU)"
+        if kv_cache_memory_text
+        else f"available GPU memory ({gib} GiB available for KV cache)"
+    )
+    return f"Auto-fit max_model_len: reduced from {derived} to {fitted} to fit in {where}"
 
 
 @dataclass(frozen=True)
@@ -137,6 +167,7 @@ def check_memory(
     estimate_for: Callable[[int], int] | None = None,
     *,
     reserve_null_block: bool = True,
+    kv_cache_memory_text: bool = True,
 ) -> MemoryCheck:
     """Plan one worker's pool and run the admission check (``get_kv_cache_configs`` for one worker).
 
@@ -145,6 +176,13 @@ def check_memory(
     ``reserve_null_block``, all of ``available``) and passes when ``needed <= check``; the
     estimate is asked for those same bytes, ``estimate_for(check)`` (default
     :func:`estimate_max_model_len`), and reserves nothing more.
+
+    With ``rt.auto_fit_max_model_len`` (``max_model_len = -1``: vLLM's ``original_max_model_len
+    == -1``; ``rt.max_model_len`` holds the derived length) ``_auto_fit_max_model_len`` runs first
+    on those same bytes: the estimate over ``[1, derived]`` becomes the ``max_model_len`` the
+    engine serves (``max_model_len``), which the admission check and the concurrency then use
+    (and pass), with the text it logs (``auto_fit``); not one token fitting is its ``ValueError``
+    (:data:`AUTO_FIT_ERROR`, the admission text here).
     """
     need = groups if isinstance(groups, NeededBytes) else need_of_groups(groups, rt)
     bpb = need.bytes_per_block
@@ -152,13 +190,25 @@ def check_memory(
         raise ValueError("no KV cache groups: nothing to plan")
     available = available_kv_bytes(need, rt)
     check = admission_budget(available, bpb, reserve_null_block=reserve_null_block)
-    needed = need.needed(rt.max_model_len)
     estimate_for = estimate_for or (lambda available: estimate_max_model_len(need, rt, available))
+    length, auto_fit, fit_error = rt.max_model_len, "", False
+    if rt.auto_fit_max_model_len:
+        fitted = estimate_for(check) if check > 0 else 0
+        if fitted <= 0:
+            fit_error = True
+        else:
+            length = min(fitted, rt.max_model_len)
+            auto_fit = auto_fit_message(
+                rt.max_model_len, fitted, check, kv_cache_memory_text=kv_cache_memory_text
+            )
+    needed = need.needed(length)
     estimate = estimate_for(check) if check > 0 else 0
-    if check <= 0:
+    if fit_error:
+        admission = AUTO_FIT_ERROR
+    elif check <= 0:
         admission = NO_MEMORY_ERROR
     elif needed > check:
-        admission = not_enough_memory_error(rt.max_model_len, needed, check, estimate)
+        admission = not_enough_memory_error(length, needed, check, estimate)
     else:
         admission = "ok"
     num_blocks, per_request = available // bpb, needed // bpb
@@ -166,4 +216,5 @@ def check_memory(
         bytes_per_block=bpb, num_blocks=num_blocks, needed_bytes=needed, available_bytes=check,
         admission=admission, max_model_len_estimate=estimate,
         max_concurrency=num_blocks / per_request if check > 0 and per_request else 0.0,
+        max_model_len=length if auto_fit else None, auto_fit=auto_fit,
     )  # fmt: skip

@@ -95,14 +95,17 @@ def one_sequence_kv_bytes(scenario: Scenario, block_size: int, state_page_padded
         raise ValueError(f"{scenario.name}: the one-sequence estimate needs a model-level scenario")
     tokens = one_sequence_tokens(rt.max_model_len, block_size)
     attn = model.attention
-    per_token = 0
+    per_token = 0  # summed over the attention layers, each with its own heads (``_kv_layer_size_sum``)
     if attn is not None:
         if attn.kind == "mla":
-            per_token = attn.kv_lora_rank + attn.qk_rope_head_dim
+            per_token = model.num_attention_layers * (attn.kv_lora_rank + attn.qk_rope_head_dim)
         else:
-            dv = attn.head_dim if attn.head_dim_v is None else attn.head_dim_v
-            per_token = attn.num_kv_heads * (attn.head_dim + dv)
-    total = model.num_attention_layers * tokens * per_token * DTYPE_SIZE[model.dtype]
+            for code in model.layers:
+                if code in "ASLXP":
+                    layer = attn.for_layer("full_attention" if code in "AP" else "other")
+                    dv = layer.head_dim if layer.head_dim_v is None else layer.head_dim_v
+                    per_token += layer.num_kv_heads * (layer.head_dim + dv)
+    total = tokens * per_token * DTYPE_SIZE[model.dtype]
     if model.num_state_layers:
         slot = state_page_padded if state_page_padded is not None else linear_cache_bytes_per_slot(scenario)
         total += model.num_state_layers * slot

@@ -1,7 +1,8 @@
 """A plan is a trace: :func:`compose_plan` runs the engine's sizing steps in the engine's order,
 each answered by a rules object (the reference, or a backend), and records every step.
 
-The steps (:data:`STEPS`): the platform's config hook, the block choice (the hybrid alignment,
+The steps (:data:`STEPS`): the engine's defaults for the settings the scenario leaves unset
+(:mod:`.defaults`), the platform's config hook, the block choice (the hybrid alignment,
 then the cache config after ``update_block_size_for_backend``), the worker's layer specs and
 their per-token pages, unification, the groups, the worker's available memory, the pool and
 admission check, vllm-metal's one-sequence estimate and kernel block, and the allocation of one
@@ -38,6 +39,11 @@ def planning_module(release: str) -> str:
 
 #: step -> (rule family, method, the function it mirrors; ``{planning}`` is the release's module)
 STEPS: dict[str, tuple[str, str, str]] = {
+    "engine defaults": ("platform", "engine_defaults",
+                        "vllm/engine/arg_utils.py::EngineArgs."
+                        "_set_default_chunked_prefill_and_prefix_caching_args, "
+                        "vllm/model_executor/models/config.py::MambaModelConfig.verify_and_update_config, "
+                        "vllm/config/vllm.py::VllmConfig.__post_init__ (async_scheduling is None)"),
     "platform config": ("platform", "check_and_update_config",
                         "vllm/platforms/interface.py::Platform.check_and_update_config"),
     "hybrid alignment": ("hybrid_alignment", "align_hybrid_block_size",
@@ -55,8 +61,8 @@ STEPS: dict[str, tuple[str, str, str]] = {
     "available memory": ("memory", "determine_available_memory",
                          "vllm/v1/worker/gpu_worker.py::Worker.determine_available_memory"),
     "pool and admission": ("memory", "check_memory",
-                           "{planning}::get_kv_cache_configs, _check_enough_kv_cache_memory, "
-                           "_estimate_max_model_len_from_groups"),
+                           "{planning}::get_kv_cache_configs, _auto_fit_max_model_len, "
+                           "_check_enough_kv_cache_memory, _estimate_max_model_len_from_groups"),
     "one-sequence estimate": ("one_sequence", "one_sequence_bytes",
                               "vllm-metal v1/cache_policy.py::estimate_one_sequence_kv_bytes"),
     "kernel block": ("kernel_block", "kernel_block_size",
@@ -157,6 +163,8 @@ def compose_plan(rules: Any, scenario: Scenario, fallback: Any, trace: PlanTrace
     trace.scenario = scenario
     step = _Asker(rules, fallback, scenario, trace)
 
+    defaulted = step("engine defaults")  # what the file leaves unset, as `vllm serve` sets it
+    scenario = step.scenario = trace.scenario = defaulted if isinstance(defaulted, Scenario) else scenario
     configured = step("platform config")
     scenario = step.scenario = configured if isinstance(configured, Scenario) else scenario
     policy = rules.policy_for(scenario)
@@ -206,6 +214,11 @@ def compose_plan(rules: Any, scenario: Scenario, fallback: Any, trace: PlanTrace
         return group.page_size_bytes
 
     rt = scenario.runtime
+    # max_model_len = -1: auto-fit chose the length the engine serves; what one request needs follows it
+    fitted = memory.max_model_len if memory.max_model_len not in (None, rt.max_model_len) else None
+    blocks_per_request = sum(g.blocks_per_request for g in groups)
+    if fitted is not None:
+        blocks_per_request = memory.needed_bytes // memory.bytes_per_block
     plan = KVPlan(
         scenario=scenario.name,
         unify_policy=policy,
@@ -221,16 +234,18 @@ def compose_plan(rules: Any, scenario: Scenario, fallback: Any, trace: PlanTrace
         group_size=max(len(g.layer_names) for g in groups),
         bytes_per_block=memory.bytes_per_block,
         kv_bytes_per_token=kv_bytes_per_token,
-        blocks_per_request=sum(g.blocks_per_request for g in groups),
+        blocks_per_request=blocks_per_request,
         num_blocks=memory.num_blocks,
         max_concurrency=round(memory.max_concurrency, 2),
-        one_sequence_tokens=one_sequence_tokens(rt.max_model_len, block_size),
+        one_sequence_tokens=one_sequence_tokens(fitted or rt.max_model_len, block_size),
         one_sequence_bytes=one_sequence,
         needed_bytes=memory.needed_bytes,
         available_bytes=memory.available_bytes,
         admission=memory.admission,
         max_model_len_estimate=memory.max_model_len_estimate,
         group_kinds=tuple(g.kind for g in groups),
+        auto_fit_max_model_len=memory.max_model_len or 0,
+        auto_fit_message=memory.auto_fit,
     )
     step("allocation", plan, 1, rejected=None)  # one block of the pool the engine's config asks for
     trace.plan = plan
@@ -257,6 +272,7 @@ def _compared_fields(value: Any) -> dict[str, Any]:
 
 
 _VIEWS: dict[str, Callable[[Any], Any]] = {
+    "engine_defaults": lambda s: dataclasses.asdict(s.runtime),
     "check_and_update_config": lambda s: dataclasses.asdict(s.runtime),
     "kv_cache_groups": _groups_view,
     "allocate_kv_cache": _compared_fields,

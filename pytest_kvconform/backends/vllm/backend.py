@@ -26,12 +26,12 @@ from ...model import BlockChoice, HybridAlignment, KVCacheGroup, KVPlan, MemoryC
 from ...reference.mamba import Shapes
 from ...reference.specs import AttentionSpec, KVCacheSpec, MambaSpec
 from ...reference.speculative import speculative_method
-from ...scenario import Scenario
+from ...scenario import RuntimeSettings, Scenario
 from ..base import ReferenceBackend
 from . import configs, hybrid, layers, planning
 from . import specs as vllm_specs
 from .api import kv_cache_dtypes
-from .offline import CACHES, config_json, register_kv_cache_dtypes, vllm_config
+from .offline import CACHES, config_json, engine_defaults, register_kv_cache_dtypes, vllm_config
 from .platform import (
     CPU_FEATURES,
     HookChange,
@@ -253,7 +253,7 @@ class VllmBackend(ReferenceBackend):
         ``specs`` are the worker's (:class:`EngineLayerSpecs`), else converted ones. Call in a scope."""
         if isinstance(specs, EngineLayerSpecs):
             return specs.engine.config, specs.engine.specs
-        return planning.neutral_inputs(specs, scenario.runtime)
+        return planning.neutral_inputs(specs, self._runtime(scenario))
 
     # -- dtype
     def kv_cache_dtype_bytes(
@@ -321,6 +321,28 @@ class VllmBackend(ReferenceBackend):
         blocks = int(kv_config.num_blocks)
         return PoolAllocation(blocks, held // blocks, held, handle=engine.worker)
 
+    # -- platform: vLLM's own defaults for what the scenario leaves unset
+    def engine_defaults(self, scenario: Scenario) -> Scenario:
+        """What vLLM sets for the settings the scenario leaves unset: its ``VllmConfig`` built
+        with them unset, so ``EngineArgs``' prefix-caching default, the model's config hook and
+        ``VllmConfig``'s async-scheduling default decide (:func:`.offline.engine_defaults`). A
+        spec-level scenario has no model for them: the reference's answer."""
+        if not scenario.runtime.unset:
+            return scenario  # every such setting stated: vLLM is handed them as given
+        if scenario.is_spec_level:
+            return super().engine_defaults(scenario=scenario)
+        with self._scope(scenario) as platform:
+            return engine_defaults(scenario, platform)
+
+    def _runtime(self, scenario: Scenario) -> RuntimeSettings:
+        """The runtime settings the rules on given specs hand vLLM: what the file leaves unset as
+        vLLM sets it (:meth:`engine_defaults`), or, for a model vLLM cannot be shown offline, as
+        the reference derives it (those rules need no model)."""
+        try:
+            return self.with_engine_defaults(scenario).runtime
+        except UnsupportedByVllmError:
+            return ReferenceBackend.engine_defaults(self, scenario=scenario).runtime
+
     # -- platform: the platform's config hook
     def check_and_update_config(self, scenario: Scenario) -> Scenario:
         """The scenario as ``<platform>.check_and_update_config`` leaves its ``VllmConfig``
@@ -343,7 +365,7 @@ class VllmBackend(ReferenceBackend):
 
     def max_memory_usage_bytes(self, spec: KVCacheSpec, scenario: Scenario) -> int:
         """``<Spec>.max_memory_usage_bytes(vllm_config)``."""
-        return self._call(scenario, vllm_specs.max_memory_usage_bytes, spec, scenario.runtime)
+        return self._call(scenario, vllm_specs.max_memory_usage_bytes, spec, self._runtime(scenario))
 
     # -- unification
     def unify_page_sizes(self, specs: dict[str, KVCacheSpec], scenario: Scenario) -> dict[str, KVCacheSpec]:

@@ -28,10 +28,13 @@ class ModelConfigStandIn:
     #: vLLM 0.33's config builder asks whether the model class owns the grouping; a
     #: spec-level check has no model class, so vLLM's default grouping applies.
     supports_kv_cache_grouping: bool = False
+    #: ``max_model_len = -1``: ``original_max_model_len`` is -1 and ``get_kv_cache_configs``
+    #: auto-fits (``max_model_len`` holds the derived length until then)
+    auto_fit: bool = False
 
     @property
     def original_max_model_len(self) -> int:
-        return self.max_model_len
+        return -1 if self.auto_fit else self.max_model_len
 
 
 class VllmConfigView:
@@ -94,6 +97,7 @@ def parallel_config(rt: RuntimeSettings) -> Any:
 def spec_level_config(rt: RuntimeSettings) -> VllmConfigView:
     """The config the spec-level functions hand to vLLM for ``rt``."""
     return VllmConfigView(
-        base_config(rt), ModelConfigStandIn(max_model_len=rt.max_model_len),
+        base_config(rt),
+        ModelConfigStandIn(max_model_len=rt.max_model_len, auto_fit=rt.auto_fit_max_model_len),
         max_concurrent_batches=rt.max_concurrent_batches,
     )  # fmt: skip

@@ -43,7 +43,11 @@ def hf_config_dict(scenario: Scenario) -> dict[str, Any]:
         )
     common: dict[str, Any] = {
         "architectures": [model.architecture], "num_hidden_layers": model.num_hidden_layers,
-        "vocab_size": 1024, "max_position_embeddings": max(rt.max_model_len, 4096),
+        # max_model_len = -1 derives the length from here: then exactly the scenario's
+        "vocab_size": 1024,
+        "max_position_embeddings": (
+            rt.max_model_len if rt.auto_fit_max_model_len else max(rt.max_model_len, 4096)
+        ),
         "torch_dtype": model.dtype, "intermediate_size": 256, "tie_word_embeddings": False,
     }  # fmt: skip
     config = write(scenario, common)
@@ -95,9 +99,12 @@ def layer_list(model: ModelGeometry, attention: str, state: str, other: str | No
     return [names[c] for c in model.layers]
 
 
-def attention_fields(scenario: Scenario, hidden_size: int | None = None) -> dict[str, Any]:
+def attention_fields(
+    scenario: Scenario, hidden_size: int | None = None, *, per_layer: bool = False
+) -> dict[str, Any]:
     """GQA heads, with ``hidden_size = num_attention_heads * head_dim`` (some families derive
     head_dim from the hidden size); with a given ``hidden_size`` the query heads follow from it.
+    The full layers' own geometry (``global_head_dim``) only where the writer spells it (``per_layer``).
     Query heads the scenario does not give are chosen so that the TP size divides them."""
     model, tensor_parallel_size = scenario.model, scenario.runtime.tensor_parallel_size
     assert model is not None
@@ -105,6 +112,10 @@ def attention_fields(scenario: Scenario, hidden_size: int | None = None) -> dict
     assert attn is not None
     if attn.kind != "gqa" or attn.head_dim_v is not None:
         raise UnsupportedByVllmError(f"{model.architecture}: only GQA attention with head_dim_v == head_dim")
+    if attn.is_heterogeneous and not per_layer:
+        raise UnsupportedByVllmError(
+            f"{model.architecture}: its config.json has no global_head_dim / num_global_kv_heads (Gemma 4's)"
+        )
     heads = attn.num_attention_heads or math.lcm(max(attn.num_kv_heads, 1) * 4, tensor_parallel_size)
     if hidden_size is not None:
         heads, rest = divmod(hidden_size, attn.head_dim)
@@ -206,6 +217,48 @@ def gemma3(scenario: Scenario, common: dict[str, Any]) -> dict[str, Any]:
         "layer_types": ["sliding_attention" if c == "S" else "full_attention" for c in model.layers],
         "sliding_window": model.attention.sliding_window or 4096,
         "query_pre_attn_scalar": model.attention.head_dim,
+    }  # fmt: skip
+
+
+GEMMA4 = ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration")
+
+
+@writer(*GEMMA4)
+def gemma4(scenario: Scenario, common: dict[str, Any]) -> dict[str, Any]:
+    """``layer_types``, ``sliding_window`` and the full layers' ``global_head_dim`` and
+    ``num_global_key_value_heads`` (configuration_gemma4, ``Gemma4TextConfig``): its
+    ``__post_init__`` builds ``per_layer_config`` (full layers: ``head_dim = global_head_dim``; with
+    ``attention_k_eq_v``, ``num_key_value_heads = num_global_key_value_heads``), which
+    ``Gemma4DecoderLayer`` reads per layer (vllm/model_executor/models/gemma4.py). The multimodal
+    ``Gemma4ForConditionalGeneration`` is written as its text model ``Gemma4ForCausalLM``: the
+    vision tower holds no KV cache. ``global_head_dim`` defaults to 512 in transformers, so it is
+    always written (the sliding head size when the scenario has none)."""
+    model = scenario.model
+    assert model is not None and model.attention is not None
+    attn = model.attention
+    if model.state is not None or set(model.layers) - {"A", "S"}:
+        raise UnsupportedByVllmError(f"{model.architecture}: layers are sliding (S) or full (A) only")
+    if model.layers[-1] != "A":
+        raise UnsupportedByVllmError(
+            f"{model.architecture}: Gemma4TextConfig forces the last layer to full attention"
+        )
+    fields = attention_fields(scenario, per_layer=True)
+    if not attn.num_attention_heads and attn.num_global_kv_heads:  # the full layers group them too
+        fields["num_attention_heads"] = math.lcm(fields["num_attention_heads"], attn.num_global_kv_heads)
+    fields["hidden_size"] = 1024  # Gemma 4 keeps head_dim apart from hidden_size / heads
+    return {
+        **common, **fields, "architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text",
+        "layer_types": ["sliding_attention" if c == "S" else "full_attention" for c in model.layers],
+        "sliding_window": attn.sliding_window or 4096,
+        "global_head_dim": attn.global_head_dim or attn.head_dim,
+        "num_global_key_value_heads": attn.num_global_kv_heads or attn.num_kv_heads,
+        "attention_k_eq_v": True,  # gates num_global_key_value_heads; K and V are still both cached
+        "num_kv_shared_layers": 0, "hidden_size_per_layer_input": 0, "enable_moe_block": False,
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                               "rope_theta": 1_000_000.0},
+        },
     }  # fmt: skip
 
 

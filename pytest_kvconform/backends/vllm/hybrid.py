@@ -92,11 +92,6 @@ def align_hybrid_block_size(scenario: Scenario, platform: type) -> HybridAlignme
     model, rt = scenario.model, scenario.runtime
     if model is None or not model.is_hybrid:
         return None
-    if rt.mamba_cache_mode == "align" and rt.extra_block_alignment != 1:
-        raise UnsupportedByVllmError(
-            "the prefill checkpoint alignment comes from constructed Mamba layers "
-            "(get_mamba_prefill_checkpoint_alignment); a config-only model has none"
-        )
     if not is_neutral(platform):
         return _align(scenario, platform)
     key = (config_json(scenario), rt)
@@ -117,6 +112,12 @@ def _align(scenario: Scenario, platform: type) -> HybridAlignment | None:
     config = vllm_config(scenario, platform)
     if not config.model_config.is_hybrid:
         return None
+    # the mode vLLM settled on: the scenario's, or its default where the scenario leaves it unset
+    if getattr(config.cache_config, "mamba_cache_mode", "none") == "align" and rt.extra_block_alignment != 1:
+        raise UnsupportedByVllmError(
+            "the prefill checkpoint alignment comes from constructed Mamba layers "
+            "(get_mamba_prefill_checkpoint_alignment); a config-only model has none"
+        )
     state = _mamba_page_bytes(config)
     backend = kernel_block_backend(rt.kernel_block_alignment, rt.kv_cache_dtype)
     type(current_platform)._align_hybrid_block_size(config, backend)

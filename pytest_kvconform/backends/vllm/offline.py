@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import copy
+import dataclasses
 import functools
 import hashlib
 import json
@@ -23,7 +24,7 @@ from typing import Any
 from ...scenario import Scenario
 from .config_view import parallel_config
 from .configs import QWEN35, hf_config_dict
-from .platform import HookChange, platform_scope, resolve_platform
+from .platform import HookChange, current_log, platform_scope, read_setting, resolve_platform
 from .runtime import UnsupportedByVllmError
 
 _CONFIG_ROOT: list[Path] = []
@@ -74,36 +75,72 @@ def _model_config(text: str, dtype: str, max_model_len: int, platform: type) -> 
 CACHES.append(_model_config)
 
 
+@functools.cache
+def _default_prefix_caching(text: str, dtype: str, max_model_len: int, platform: type) -> bool:
+    """``--enable-prefix-caching`` as ``vllm serve`` sets it when it is not given:
+    ``EngineArgs._set_default_chunked_prefill_and_prefix_caching_args`` (vllm/engine/arg_utils.py,
+    every release; ``ModelConfig.is_prefix_caching_supported``) on the scenario's ``ModelConfig``.
+    ``CacheConfig.enable_prefix_caching`` itself defaults to True for every model, so a config
+    built without this step would cache prefixes of hybrids that 0.23 ... 0.27 serve without."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    model_config = _model_config(text, dtype, max_model_len, platform)
+    args = EngineArgs(model=model_config.model, tokenizer=model_config.model, skip_tokenizer_init=True)
+    args._set_default_chunked_prefill_and_prefix_caching_args(model_config)
+    return bool(args.enable_prefix_caching)
+
+
+CACHES.append(_default_prefix_caching)
+
+
 def vllm_config(scenario: Scenario, platform: type) -> Any:
-    """The scenario's ``VllmConfig``; call it inside ``platform_scope(platform)``."""
+    """The scenario's ``VllmConfig``; call it inside ``platform_scope(platform)``. A setting the
+    scenario leaves unset (``RuntimeSettings.unset``) is left unset to vLLM, whose own defaulting
+    decides it: the prefix-caching default of ``EngineArgs`` and the model's config hook for
+    ``mamba_cache_mode``, ``VllmConfig``'s async-scheduling default for ``max_concurrent_batches``."""
     from vllm.config import CacheConfig, DeviceConfig, SchedulerConfig, VllmConfig
 
     model, rt = scenario.model, scenario.runtime
     assert model is not None
     # A shallow copy per VllmConfig: the model's verify_and_update_config hooks (which also set
     # cache_config.mamba_block_size) run once per ModelConfig object (``config_updated``).
-    model_config = copy.copy(_model_config(config_json(scenario), model.dtype, rt.max_model_len, platform))
+    text = config_json(scenario)
+    requested = -1 if rt.auto_fit_max_model_len else rt.max_model_len  # -1: derive, then auto-fit
+    model_config = copy.copy(_model_config(text, model.dtype, requested, platform))
     model_config.config_updated = False
+    if model_config.max_model_len != rt.max_model_len:
+        raise UnsupportedByVllmError(
+            f"max_model_len = -1: vLLM derives {model_config.max_model_len} from the generated config, "
+            f"not the scenario's max_position_embeddings {rt.max_model_len}"
+        )
     if rt.max_concurrent_batches not in (1, 2):
         raise UnsupportedByVllmError(
             f"max_concurrent_batches={rt.max_concurrent_batches}: vLLM derives it from async scheduling "
             "(2) or pipeline parallelism, which the offline config does not model"
         )
     register_kv_cache_dtypes(rt.registered_kv_cache_dtypes)
-    align = rt.mamba_cache_mode == "align"
+    if "mamba_cache_mode" in rt.unset:  # vLLM decides: the prefix-caching default, then the model's hook
+        mode: dict[str, Any] = {
+            "enable_prefix_caching": _default_prefix_caching(text, model.dtype, rt.max_model_len, platform)
+        }
+    else:  # vLLM 0.33 derives the mode from prefix caching (on: "align"); 0.32 reads the field.
+        mode = {
+            "enable_prefix_caching": rt.mamba_cache_mode == "align",
+            "mamba_cache_mode": rt.mamba_cache_mode,
+        }
     cache = CacheConfig(
         # no --block-size: vLLM's default, then Phase 1 of update_block_size_for_backend
         block_size=rt.block_size if rt.user_specified_block_size else None,
         cache_dtype=rt.kv_cache_dtype, mamba_cache_dtype=rt.mamba_cache_dtype,
         mamba_ssm_cache_dtype=rt.mamba_ssm_cache_dtype, num_gpu_blocks_override=rt.num_gpu_blocks_override,
         kv_cache_memory_bytes=rt.kv_cache_memory_bytes,  # --kv-cache-memory-bytes: what the worker reports
-        # vLLM 0.33 derives the mode from prefix caching (on: "align"); 0.32 reads the field.
-        enable_prefix_caching=align, mamba_cache_mode=rt.mamba_cache_mode,
+        **mode,
     )  # fmt: skip
     scheduler = SchedulerConfig(
         max_model_len=rt.max_model_len, is_encoder_decoder=False,
         max_num_batched_tokens=rt.max_num_batched_tokens,
-        async_scheduling=rt.max_concurrent_batches == 2,  # max_concurrent_batches: 2 with async scheduling
+        # max_concurrent_batches: 2 with async scheduling; unset: VllmConfig's default decides
+        async_scheduling=None if "max_concurrent_batches" in rt.unset else rt.max_concurrent_batches == 2,
         **({"max_num_seqs": rt.max_num_seqs} if rt.max_num_seqs is not None else {}),
     )  # fmt: skip
     parallel = parallel_config(rt)
@@ -119,6 +156,50 @@ def vllm_config(scenario: Scenario, platform: type) -> Any:
 
         Qwen3_5ForConditionalGenerationConfig.verify_and_update_config(config)
     return config
+
+
+def engine_defaults(scenario: Scenario, platform: type) -> Scenario:
+    """The scenario with what vLLM sets for the settings it leaves unset: its ``VllmConfig`` built
+    with them unset (:func:`vllm_config`), read back as vLLM left them before the platform's
+    ``check_and_update_config`` (whose changes are the plan's next step). Call it inside
+    ``platform_scope(platform)``."""
+    from .runtime import installed_vllm_version
+
+    model, rt = scenario.model, scenario.runtime
+    assert model is not None and rt.unset
+    log = current_log()
+    seen = len(log.changes) if log is not None else 0
+    config = vllm_config(scenario, platform)
+    hooked = {c.setting: c.before for c in (log.changes[seen:] if log is not None else [])}
+
+    def setting(path: str) -> Any:
+        return hooked[path] if path in hooked else read_setting(config, path)
+
+    vllm = f"vLLM {installed_vllm_version()}"
+    values: dict[str, Any] = {}
+    applied: list[str] = []
+    if "mamba_cache_mode" in rt.unset:
+        mode, cached = setting("cache_config.mamba_cache_mode"), setting("cache_config.enable_prefix_caching")
+        why = (f"{vllm} set it: enable_prefix_caching {cached} "
+               "(EngineArgs._set_default_chunked_prefill_and_prefix_caching_args), then the model's "
+               "verify_and_update_config (MambaModelConfig)")  # fmt: skip
+        if model.num_state_layers == 0:  # as the reference: a mode no layer reads
+            mode, why = "none", f"no state layer: the mode sizes nothing ({vllm}'s mode: {mode})"
+        values["mamba_cache_mode"] = mode
+        applied.append(f"mamba_cache_mode = {mode!r}: {why}")
+    if "max_concurrent_batches" in rt.unset:
+        path = "scheduler_config.async_scheduling"
+        batches = (2 if hooked[path] else 1) if path in hooked else int(config.max_concurrent_batches)
+        values["max_concurrent_batches"] = batches
+        applied.append(
+            f"max_concurrent_batches = {batches}: {vllm} set it: VllmConfig.max_concurrent_batches, "
+            f"async_scheduling {setting(path)} (VllmConfig.__post_init__, async_scheduling is None)"
+        )
+    # built here, not by the reference's with_defaults: the answer is vLLM's (provenance)
+    runtime = dataclasses.replace(rt, unset=(), **values)
+    return dataclasses.replace(
+        scenario, runtime=runtime, defaults_applied=(*scenario.defaults_applied, *applied)
+    )
 
 
 @contextlib.contextmanager

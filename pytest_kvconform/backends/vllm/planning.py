@@ -108,33 +108,117 @@ def _watch_admission() -> Iterator[_AdmissionSeen]:
         module._check_enough_kv_cache_memory = original
 
 
+@dataclass
+class _AutoFitSeen:
+    """What ``_auto_fit_max_model_len`` left: the length, the text it logged, its error text."""
+
+    max_model_len: int | None = None
+    message: str = ""
+    error: str = ""
+
+
+class _LogRecorder:
+    """Stands in for the planning module's ``logger`` while auto-fit runs: keeps the
+    "Auto-fit max_model_len" text (``info_once`` would log it once per process)."""
+
+    def __init__(self, logger: Any, seen: _AutoFitSeen) -> None:
+        self._logger, self._seen = logger, seen
+
+    def info_once(self, msg: str, *args: Any, **kwargs: Any) -> None:
+        text = msg % args if args else msg
+        if text.startswith("Auto-fit max_model_len"):
+            self._seen.message = text
+
+    info = info_once
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._logger, name)
+
+
+@contextlib.contextmanager
+def _watch_auto_fit() -> Iterator[_AutoFitSeen]:
+    """Run vLLM's own ``_auto_fit_max_model_len`` inside ``get_kv_cache_configs`` (when the
+    config's ``original_max_model_len`` is -1), recording the length it leaves and its log text;
+    its "Cannot auto-fit" ``ValueError`` is recorded and the planning goes on at the derived
+    length, so the admission check and the pool are still seen."""
+    import importlib
+
+    module = importlib.import_module(vllm_runtime().locations["get_kv_cache_configs"])
+    original = module._auto_fit_max_model_len
+    seen = _AutoFitSeen()
+
+    def auto_fit(*args: Any) -> None:
+        config = next(a for a in args if hasattr(a, "model_config"))
+        logger = module.logger
+        module.logger = _LogRecorder(logger, seen)
+        try:
+            original(*args)
+            seen.max_model_len = int(config.model_config.max_model_len)
+        except ValueError as exc:
+            seen.error = str(exc)
+        finally:
+            module.logger = logger
+
+    # The offline config's DeviceConfig("cpu") is the harness's (tensors on meta), not the
+    # platform's: _kv_cache_device_name (0.32+, "GPU" for cuda, else device_type.upper()) is asked
+    # of the platform's device instead; vLLM core's neutral Platform stands for the GPU engine.
+    import vllm.platforms
+
+    device_name = getattr(module, "_kv_cache_device_name", None)
+    platform = vllm.platforms.current_platform
+    device = "cuda" if getattr(platform, "kvconform_neutral", False) else str(platform.device_type)
+    module._auto_fit_max_model_len = auto_fit
+    if device_name is not None:
+        module._kv_cache_device_name = lambda config: "GPU" if device == "cuda" else device.upper()
+    try:
+        yield seen
+    finally:
+        module._auto_fit_max_model_len = original
+        if device_name is not None:
+            module._kv_cache_device_name = device_name
+
+
 def check_memory(config: Any, vllm_specs: Mapping[str, Any], available_memory: int) -> MemoryCheck:
     """``get_kv_cache_configs`` for one worker with ``available_memory`` bytes, as vLLM plans it:
     the bytes per block (``_pool_bytes_per_block``), and from its own admission check the bytes
     it sees, the bytes needed, the estimate and the text (``"ok"`` or the exact ``ValueError``
     message); ``num_blocks`` and the max concurrency of the ``KVCacheConfig`` it returns."""
-    api, rt = vllm_runtime().planning, vllm_runtime()
+    api = vllm_runtime().planning
     groups = _groups(config, vllm_specs)
     if not groups:
         raise UnsupportedByVllmError("no KV cache groups (attention-free): nothing to plan")
     bpb = api.pool_bytes_per_block(config, groups)
     no_block = False
-    with _watch_admission() as seen:
-        try:
-            kv_config = api.kv_cache_config(config, vllm_specs, available_memory)
-        except ValueError:
-            kv_config = None  # "No available memory": not one block beyond the null block
-        except ZeroDivisionError:
-            # Before 0.29 (no null block reserved) a pool of less than one block passes the
-            # "No available memory" test and plans 0 blocks; get_kv_cache_configs then fails
-            # shrinking the tensors (tensor.size % 0). The engine stops earlier: its admission
-            # check, recorded here, refused (one request needs at least one block).
-            if seen.calls and seen.calls[-1][3] == "ok":
-                raise
-            kv_config, no_block = None, True
+    derived = config.model_config.max_model_len  # auto-fit changes it: restored below
+    try:
+        with _watch_admission() as seen, _watch_auto_fit() as fit:
+            try:
+                kv_config = api.kv_cache_config(config, vllm_specs, available_memory)
+            except ValueError:
+                kv_config = None  # "No available memory": not one block beyond the null block
+            except ZeroDivisionError:
+                # Before 0.29 (no null block reserved) a pool of less than one block passes the
+                # "No available memory" test and plans 0 blocks; get_kv_cache_configs then fails
+                # shrinking the tensors (tensor.size % 0). The engine stops earlier: its admission
+                # check, recorded here, refused (one request needs at least one block).
+                if seen.calls and seen.calls[-1][3] == "ok":
+                    raise
+                kv_config, no_block = None, True
+        return _memory_check(config, kv_config, bpb, seen, fit, no_block)
+    finally:
+        config.model_config.max_model_len = derived
+
+
+def _memory_check(
+    config: Any, kv_config: Any, bpb: int, seen: _AdmissionSeen, fit: _AutoFitSeen, no_block: bool
+) -> MemoryCheck:
+    """The :class:`MemoryCheck` of one watched ``get_kv_cache_configs`` (at the length auto-fit left)."""
+    rt = vllm_runtime()
     if len(seen.calls) != 1:
         raise UnsupportedByVllmError(f"vLLM ran its admission check {len(seen.calls)} times for one worker")
     available, needed, estimate, admission = seen.calls[0]
+    if fit.error:  # vLLM stops at auto-fit: the engine reports that, not the check at the derived length
+        admission = fit.error
     if no_block:
         num_blocks, concurrency = 0, 0.0
     elif kv_config is None:
@@ -145,6 +229,7 @@ def check_memory(config: Any, vllm_specs: Mapping[str, Any], available_memory: i
     return MemoryCheck(
         bytes_per_block=bpb, num_blocks=num_blocks, needed_bytes=needed, available_bytes=available,
         admission=admission, max_model_len_estimate=estimate, max_concurrency=concurrency,
+        max_model_len=fit.max_model_len if fit.message else None, auto_fit=fit.message,
     )  # fmt: skip
 
 
