@@ -285,7 +285,7 @@ class Picky(ReferenceBackend):
     name = "picky"
 
     def unsupported(self, scenario):
-        return "no MLA here" if scenario.model.use_mla else None
+        return "no MLA or state layers here" if scenario.model.use_mla or scenario.model.is_hybrid else None
 """
 
 
