@@ -62,3 +62,62 @@ def test_every_overlay_run_has_its_overlay_installed() -> None:
     assert {"0.23", "0.33"} <= {release for release, _ in runs}
     assert all(release == asserted for release, asserted in runs)
     assert sorted(installed) == sorted(release for release, _ in runs)
+
+
+TPU_SCRIPT = SCRIPT.parent / "install-tpu-inference.sh"
+ROOT = SCRIPT.parents[1]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="Linux install script")
+def test_the_tpu_venv_needs_its_base_venv_first(tmp_path: Path) -> None:
+    """.venv-tpu layers over .venv: without it, one line says what to run, and nothing is built."""
+    out = subprocess.run(["bash", str(TPU_SCRIPT), str(tmp_path / "tpu"), str(tmp_path / "missing")],
+                         capture_output=True, text=True)  # fmt: skip
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        f"install-tpu-inference: {tmp_path / 'tpu'} layers over {tmp_path / 'missing'}, which is missing:"
+        " run bash scripts/install.sh first"
+    ]
+    assert not (tmp_path / "tpu").exists()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="Linux install script")
+def test_the_tpu_venv_is_never_its_base_venv(tmp_path: Path) -> None:
+    out = subprocess.run(["bash", str(TPU_SCRIPT), str(tmp_path / "v"), f"{tmp_path}/./v"],
+                         capture_output=True, text=True)  # fmt: skip
+    assert out.returncode == 2 and "needs a venv of its own" in out.stderr
+
+
+_PROBE = """
+import importlib.util, json
+from importlib.metadata import entry_points
+print(json.dumps({
+    "plugins": sorted(e.value for e in entry_points(group="vllm.general_plugins")),
+    "origins": {m: (s := importlib.util.find_spec(m)) and s.origin
+                for m in ("vllm", "torch", "pytest_kvconform", "tpu_inference")},
+}))
+"""
+
+
+@pytest.mark.skipif(
+    not (ROOT / ".venv-tpu" / "bin" / "python").exists() or not (ROOT / ".venv" / "bin" / "python").exists(),
+    reason="no .venv-tpu (bash scripts/install-tpu-inference.sh)",
+)
+def test_the_tpu_venv_sees_dot_venv_and_dot_venv_never_sees_tpu_inference() -> None:
+    """.venv-tpu takes vLLM, torch and the plugin from .venv (no copies of its own); tpu-inference's
+    vllm.general_plugins entry point is visible from .venv-tpu only."""
+    import json
+
+    def probe(venv: str) -> dict:
+        out = subprocess.run([str(ROOT / venv / "bin" / "python"), "-c", _PROBE], cwd=ROOT.parent,
+                             capture_output=True, text=True, check=True)  # fmt: skip
+        return json.loads(out.stdout)
+
+    base, tpu = probe(".venv"), probe(".venv-tpu")
+    assert not any(p.startswith("tpu_inference") for p in base["plugins"])
+    assert base["origins"]["tpu_inference"] is None
+    assert "tpu_inference.layers.vllm:register_layers" in tpu["plugins"]
+    assert tpu["origins"]["tpu_inference"].startswith(str(ROOT / ".venv-tpu") + "/")
+    for module in ("vllm", "torch", "pytest_kvconform"):
+        assert tpu["origins"][module] == base["origins"][module], module
+    assert tpu["origins"]["vllm"].startswith(str(ROOT / ".venv") + "/")

@@ -292,6 +292,22 @@ def test_batched_decode_of_ragged_lengths_matches_dense(dtype: str, window: int)
     case.check(sliding_window=window)
 
 
+@pytest.mark.parametrize("window", [-1, 5])
+def test_decode_ignores_unwritten_slots_of_attended_blocks(window: int) -> None:
+    """The decode path copies whole blocks: slots outside ``[lo, seq_len)`` (the tail of the last
+    block, the head of the first under a window, spare blocks) may hold anything, NaN and inf
+    included, and never reach the output."""
+    case = Case([37, 64, 20, 9, 33], [1, 1, 1, 1, 1], block_size=16, seed=18)
+    bs = case.block_size
+    written = np.zeros(case.num_blocks * bs, dtype=bool)
+    for s, n in enumerate(case.seq_lens):
+        written[[case.rows[s][t // bs] * bs + t % bs for t in range(n)]] = True
+    keep = mx.array(written.reshape(case.num_blocks, bs, 1, 1))
+    case.k_cache = mx.where(keep, case.k_cache, mx.array(np.nan, dtype=mx.float32))
+    case.v_cache = mx.where(keep, case.v_cache, mx.array(np.inf, dtype=mx.float32))
+    assert np.isfinite(case.check(sliding_window=window)).all()
+
+
 def test_batched_decode_with_sinks_and_gqa_matches_dense() -> None:
     seq_lens = [int(n) for n in np.random.default_rng(15).integers(1, 300, size=12)]
     case = Case(seq_lens, [1] * 12, hq=8, hkv=2, block_size=32, seed=15)

@@ -37,7 +37,7 @@ from .platform import (
     HookChange,
     cpu_probes,
     current_log,
-    is_neutral,
+    host_answers,
     neutral_platform,
     platform_name,
     platform_scope,
@@ -189,7 +189,8 @@ class VllmBackend(ReferenceBackend):
         ``known_failures`` (pinned by tests/test_vllm_known_bugs.py): discarded, not failed."""
         try:
             self.policy_for(scenario)
-            configs.hf_config_dict(scenario)
+            if not scenario.is_spec_level:  # spec-level specs go to vLLM's planner as they are
+                configs.hf_config_dict(scenario)
         except UnsupportedByVllmError as exc:
             return str(exc)
         model = scenario.model
@@ -213,19 +214,29 @@ class VllmBackend(ReferenceBackend):
     # ------------------------------------------------------------------ the engine's view
 
     def engine(self, scenario: Scenario) -> layers.EngineSpecs:
-        """The scenario's config, specs and block choice as the worker sees them (cached per
-        geometry on the neutral platform; other platforms may read the host, so are rebuilt)."""
+        """The scenario's config, specs and block choice as the worker sees them, built once per
+        geometry, runtime, platform and host answers (:func:`.platform.host_answers`); a reused
+        engine reports the hook changes its build logged again."""
         if scenario.is_spec_level:
             raise UnsupportedByVllmError(
                 "a spec-level scenario has no model for vLLM to build; its specs are the scenario's own"
             )
         with self._scope(scenario) as platform:
-            if is_neutral(platform):
-                key = (config_json(scenario), scenario.runtime, type(self), self._worker_arg)
-                if key not in _NEUTRAL_ENGINES:
-                    _NEUTRAL_ENGINES[key] = layers.build_engine_specs(scenario, platform, self.make_worker)
-                return _NEUTRAL_ENGINES[key]
-            return layers.build_engine_specs(scenario, platform, self.make_worker)
+            key = self._engine_key(scenario, platform)
+            log = current_log()
+            if key not in _ENGINES:
+                logged = len(log.changes) if log else 0
+                engine = layers.build_engine_specs(scenario, platform, self.make_worker)
+                _ENGINES[key] = engine, tuple(log.changes[logged:]) if log else ()
+            engine, changes = _ENGINES[key]
+            if log:
+                log.changes.extend(c for c in changes if c not in log.changes)
+            return engine
+
+    def _engine_key(self, scenario: Scenario, platform: type) -> tuple[Any, ...]:
+        """What an engine build depends on; call in the scenario's scope (its env and probes)."""
+        worker = self._worker_arg
+        return config_json(scenario), scenario.runtime, type(self), worker, platform, host_answers()
 
     def prepare(self, scenario: Scenario) -> None:
         """Import vLLM and build the scenario's engine (cached) before a rule is asked; a piece
@@ -242,11 +253,15 @@ class VllmBackend(ReferenceBackend):
 
     def rerun_hooks(self, scenario: Scenario) -> dict[str, list[HookChange]]:
         """What the platform's config hooks change when run a second time (see the platform
-        suite, pytest_kvconform/suites/test_kvconform_platform.py): always on a freshly built engine."""
+        suite, pytest_kvconform/suites/test_kvconform_platform.py): on a freshly built engine, once
+        per engine key (both hooks are asked of one build)."""
         if scenario.is_spec_level:
             raise UnsupportedByVllmError("a spec-level scenario has no model for vLLM to build")
         with self._scope(scenario) as platform:
-            return layers.rerun_hooks(scenario, platform, self.make_worker)
+            key = ("rerun_hooks", *self._engine_key(scenario, platform))
+            if key not in _ENGINES:
+                _ENGINES[key] = layers.rerun_hooks(scenario, platform, self.make_worker)
+            return _ENGINES[key]
 
     def _inputs(self, specs: dict[str, KVCacheSpec], scenario: Scenario) -> tuple[Any, dict[str, Any]]:
         """The config and vLLM specs to plan ``specs`` with: the engine's own objects when
@@ -429,9 +444,10 @@ def _current_config(config: Any) -> Iterator[None]:
         yield
 
 
-#: config.json, runtime, backend class, worker -> the engine on the neutral platform (no host read)
-_NEUTRAL_ENGINES: dict[tuple[str, Any, type, Any], layers.EngineSpecs] = {}
-CACHES.append(_NEUTRAL_ENGINES)
+#: VllmBackend._engine_key -> (the engine, the hook changes its build logged); with
+#: "rerun_hooks" in front -> what rerun_hooks found on a fresh engine
+_ENGINES: dict[tuple[Any, ...], Any] = {}
+CACHES.append(_ENGINES)
 
 
 @contextlib.contextmanager

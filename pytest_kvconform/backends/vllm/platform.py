@@ -294,6 +294,17 @@ CPU_FEATURES: dict[str, dict[str, bool]] = {
 }
 
 
+def host_answers() -> tuple[tuple[tuple[str, bool], ...], frozenset[tuple[str, str]]]:
+    """What the host would tell a platform's hooks now, as far as this backend knows: the CPU
+    feature probes (faked or not) and the environment (less pytest's per-test variable). Part of
+    the key an engine is reused under, so a host faked another way builds its own."""
+    cpu = vllm_runtime().torch.cpu
+    names = (_AVX512, _BF16, _AMX)
+    probes = tuple((name, bool(getattr(cpu, name)())) for name in names if hasattr(cpu, name))
+    env = frozenset((k, v) for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST")
+    return probes, env
+
+
 @contextlib.contextmanager
 def cpu_probes(features: str) -> Iterator[None]:
     """The ``torch.cpu`` feature probes answer as ``features`` (``native``: untouched). vLLM's

@@ -130,6 +130,7 @@ def _import_vllm() -> VllmRuntime:
 
         flydsl_turboquant_decode._FLYDSL_AVAILABLE = False
 
+    _inspect_model_classes_here()
     functions: dict[str, Callable[..., Any]] = {}
     locations: dict[str, str] = {}
     for module_name in PLANNING_MODULES:
@@ -145,6 +146,28 @@ def _import_vllm() -> VllmRuntime:
         version=str(vllm.__version__), torch=torch, kv_cache_interface=kv_cache_interface,
         functions=functions, locations=locations, planning=importlib.import_module(f"{__package__}.api"),
     )  # fmt: skip
+
+
+def _inspect_model_classes_here() -> None:
+    """Let vLLM inspect model classes in this process instead of a fresh one.
+
+    ``_LazyRegisteredModel.inspect_model_cls`` (vllm/model_executor/models/registry.py, every
+    release 0.23 ... 0.33) reads a model class's capabilities (hybrid, inner state, MTP, ...) in a
+    child process, ``_run_in_subprocess``, so that importing the model cannot initialise CUDA in
+    the engine. That child imports vLLM again: 11-16 s per architecture on an empty
+    ``VLLM_CACHE_ROOT``, most of a cold run. This process imports each of those classes anyway
+    (it builds the model's layers on meta) and has no CUDA to spare, and ``_ModelInfo.from_model_cls``
+    reads class attributes only, so the answer is the same; vLLM still caches it on disk.
+    """
+    with contextlib.suppress(ImportError):
+        from vllm.model_executor.models import registry
+
+        if callable(getattr(registry, "_run_in_subprocess", None)):
+            registry._run_in_subprocess = _call  # type: ignore[attr-defined]
+
+
+def _call(fn: Callable[[], Any]) -> Any:
+    return fn()
 
 
 def installed_vllm_version() -> str:
