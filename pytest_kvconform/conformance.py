@@ -128,9 +128,12 @@ _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 def layer_key(name: str, spec: Any) -> tuple[int | str, str]:
     """``(layer index, role)`` of a layer name, so ``model.layers.3.self_attn.attn`` (vLLM's
     module prefix) and ``model.layers.3.self_attn`` (the reference's) are the same layer; the
-    role is ``attention``, ``indexer`` or ``state``. A name without ``layers.N`` is its own key."""
+    role is ``attention``, ``indexer`` or ``state``. A name without ``layers.N`` is its own key;
+    ``mtp.layers.N`` (an MTP drafter numbering its layers from 0) is ``"mtp.N"``."""
     match = _LAYER_INDEX.search(name)
     index: int | str = int(match.group(1)) if match else name
+    if match and name.startswith("mtp."):  # an MTP drafter's own numbering (qwen3_next_mtp.py)
+        index = f"mtp.{index}"
     if isinstance(spec, MambaSpec):
         return index, "state"
     return index, "indexer" if getattr(spec, "cache_role", "kv") == "indexer" else "attention"

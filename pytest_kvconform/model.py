@@ -38,6 +38,9 @@ class BlockChoice:
     block_size: int
     mamba_block_size: int  # the attention block in align mode, else max_model_len
     state_page_padded: int | None = None  # None: the state page is not padded
+    #: ``cache_config.skip_page_size_padded`` (Phase 3, ``_align_heterogeneous_kv_block_size``):
+    #: the shared page sliding-window layers pad to; None: no Phase 3 padding
+    skip_page_size_padded: int | None = None
 
 
 @dataclass(frozen=True)

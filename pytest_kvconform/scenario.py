@@ -205,6 +205,10 @@ class RuntimeSettings:
     kernel_block_alignment: int = 16
     extra_block_alignment: int = 1
     kv_cache_dtype: str = "auto"
+    #: ``--kv-cache-dtype-skip-layers`` (``CacheConfig.kv_cache_dtype_skip_layers``): layer indices
+    #: (``"0"``) or ``"sliding_window"`` kept at the model dtype; the engine adds TurboQuant's
+    #: boundary layers of a dense model (``reference.hybrid.skip_layers``)
+    kv_cache_dtype_skip_layers: tuple[str, ...] = ()
     mamba_cache_dtype: str = "auto"
     mamba_ssm_cache_dtype: str = "auto"
     mamba_cache_mode: str = "none"
@@ -578,7 +582,7 @@ def _read_runtime(r: _Reader, source: str) -> RuntimeSettings:
     strs = _RUNTIME_CHOICES
     r.done(allowed={*ints, *strs, "num_speculative_tokens", "num_gpu_blocks_override",
                     "user_specified_block_size", "registered_kv_cache_dtypes", "max_num_seqs",
-                    "additional_config", "env"})  # fmt: skip
+                    "additional_config", "env", "kv_cache_dtype_skip_layers"})  # fmt: skip
     registered = r.table("registered_kv_cache_dtypes", required=False)
     env = r.table("env", required=False)
     defaults = RuntimeSettings()
@@ -600,6 +604,12 @@ def _read_runtime(r: _Reader, source: str) -> RuntimeSettings:
     values["additional_config"] = json.dumps(dict(r.table("additional_config", required=False).data),
                                              sort_keys=True)  # fmt: skip
     values["env"] = tuple((name, env.str(name)) for name in sorted(env.data))
+    skip = r.data.get("kv_cache_dtype_skip_layers", [])
+    if not isinstance(skip, list) or not all(isinstance(x, str) for x in skip):
+        raise r.fail(
+            "kv_cache_dtype_skip_layers", f'expected a list of strings (e.g. ["0", "31"]), got {skip!r}'
+        )
+    values["kv_cache_dtype_skip_layers"] = tuple(skip)
     values["unset"] = tuple(k for k in DEFAULTED if k not in r.data)
     # Writing block_size is passing --block-size, unless the file says otherwise.
     values["user_specified_block_size"] = r.bool("user_specified_block_size", "block_size" in r.data)
@@ -636,6 +646,14 @@ def _check_runtime(rt: RuntimeSettings, source: str) -> None:
                 )
         elif f.name == "additional_config":
             _check_additional_config(v, source)
+        elif f.name == "kv_cache_dtype_skip_layers":
+            if not (isinstance(v, tuple) and all(isinstance(x, str) and (x.isdigit() or x == "sliding_window")
+                                                 for x in v)):  # fmt: skip
+                got = list(v) if isinstance(v, tuple) else v
+                raise ScenarioError(
+                    source, "runtime.kv_cache_dtype_skip_layers",
+                    f'expected layer indices ("0") or "sliding_window", got {got}',
+                )  # fmt: skip
         elif f.name in ("user_specified_block_size", "auto_fit_max_model_len"):
             if not isinstance(v, bool):
                 raise ScenarioError(source, f"runtime.{f.name}", f"expected true or false, got {v!r}")

@@ -11,6 +11,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
+from .reference.hybrid import skip_layers
 from .scenario import Scenario, scenario_from_dict
 
 _GQA_DTYPES = ("auto", "fp8", "fp8_e4m3", "int8_per_token_head", "turboquant_k8v4", "turboquant_4bit_nc",
@@ -145,6 +146,9 @@ def scenario_dicts(draw: st.DrawFn, hybrid: bool | None = None) -> dict[str, Any
     if draw(st.integers(0, 3)) == 0:  # max_model_len = -1: auto-fit from the length vLLM derives
         model["max_position_embeddings"] = runtime["max_model_len"]
         runtime["max_model_len"] = -1
+    if attention["kind"] == "gqa" and draw(st.integers(0, 3)) == 0:  # --kv-cache-dtype-skip-layers
+        names = [str(i) for i in range(n)] + (["sliding_window"] if "S" in layers else [])
+        runtime["kv_cache_dtype_skip_layers"] = sorted(draw(st.sets(st.sampled_from(names), min_size=1)))
     return {"schema": "kv-scenario/1", "name": "generated", "model": model, "runtime": runtime}
 
 
@@ -156,8 +160,9 @@ def exercised_rules(scenario: Scenario) -> tuple[str, ...]:
     """The TP-, speculation-, window- and block-dependent rules a generated scenario reaches
     (the summary counts compared inputs per entry, so a strategy that stops reaching one shows)."""
     rt, model = scenario.runtime, scenario.model
-    if model is None:
-        return ()
+    if model is None:  # spec-level: MLA next to regular sliding-window layers (the fallback's input)
+        kinds = {e.kind for e in scenario.layer_specs}
+        return SPEC_LEVEL_RULES if {"mla", "sliding_window"} <= kinds else ()
     attn, state, tp = model.attention, model.state, rt.tensor_parallel_size
     gqa = attn is not None and attn.kind == "gqa"
     hits = (
@@ -174,6 +179,9 @@ def exercised_rules(scenario: Scenario) -> tuple[str, ...]:
         rt.kv_cache_dtype != "auto",
         gqa and "A" in model.layers and _head_shape(attn.for_layer("full_attention")) != _head_shape(attn),
         rt.auto_fit_max_model_len,
+        gqa and rt.kv_cache_dtype != "auto" and bool(skip_layers(scenario)),
+        _has_draft_layers(scenario),
+        False,  # spec-level only
     )
     return tuple(name for name, hit in zip(EXERCISABLE_RULES, hits, strict=True) if hit)
 
@@ -193,7 +201,55 @@ EXERCISABLE_RULES = (
     "quantized KV cache",
     "per-layer attention geometry",
     "auto-fit max_model_len (-1)",
+    "heterogeneous KV dtypes (skip layers)",
+    "MTP draft layers (model-level)",
+    "MLA next to sliding-window layers (spec-level)",
 )
+
+#: The rules only :func:`mla_sliding_spec_dicts` reaches (spec-level); the others, :func:`scenario_dicts`.
+SPEC_LEVEL_RULES = ("MLA next to sliding-window layers (spec-level)",)
+
+
+def _has_draft_layers(scenario: Scenario) -> bool:
+    """Whether the worker's specs include the MTP drafter's layers (``speculative.num_draft_layers``)."""
+    from .reference.speculative import num_draft_layers
+
+    try:
+        return num_draft_layers(scenario) > 0
+    except ValueError:  # a draft of its own checkpoint: the plan rejects it
+        return False
+
+
+@st.composite
+def mla_sliding_spec_dicts(draw: st.DrawFn) -> dict[str, Any]:
+    """A spec-level scenario of MLA layers next to regular sliding-window layers, as an MLA target
+    with a sliding-window draft would register them (no single architecture has both: see
+    reference/grouping.py): the pages unification refuses (an MLA page that does not divide the
+    largest, vLLM 0.29+) reach the full-allocation fallback
+    (``_try_get_full_allocation_fallback_groups``); the others group as before."""
+
+    def one_of(*values: Any) -> Any:
+        return draw(st.sampled_from(values))
+
+    mla_block = one_of(16, 32, 64)
+    mla = {"kind": "mla", "count": draw(st.integers(1, 4)), "block_size": mla_block, "num_kv_heads": 1,
+           "head_size": one_of(576, 320), "dtype": one_of("bfloat16", "float16")}  # fmt: skip
+    window = {"kind": "sliding_window", "count": draw(st.integers(1, 4)), "block_size": one_of(16, 32, 64),
+              "num_kv_heads": one_of(1, 2, 4, 8), "head_size": one_of(64, 128, 256),
+              "dtype": one_of("bfloat16", "float32"), "sliding_window": one_of(128, 512, 4096)}  # fmt: skip
+    if draw(st.integers(0, 3)) == 0:  # now and then full attention instead (no fallback: unify pads it)
+        window["kind"] = "full_attention"
+        del window["sliding_window"]
+    runtime = {
+        "max_model_len": draw(st.integers(1, 1 << 17)),
+        "block_size": mla_block,
+        "kv_cache_memory_bytes": draw(st.integers(1 << 24, 64 << 30)),
+        "max_num_batched_tokens": one_of(512, 2048, 8192),
+        "mamba_cache_mode": "none",
+        "max_concurrent_batches": 1,
+    }
+    return {"schema": "kv-scenario/1", "name": "generated-mla-sliding", "layer_specs": [mla, window],
+            "runtime": runtime}  # fmt: skip
 
 
 def scenarios(hybrid: bool | None = None) -> st.SearchStrategy[Scenario]:

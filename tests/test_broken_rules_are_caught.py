@@ -1,4 +1,4 @@
-"""Each TP-, speculation-, window-, per-layer-geometry-, DCP- and dtype-dependent rule, broken in
+"""Each TP-, speculation-, window-, per-layer-geometry-, skip-layer-, DCP- and dtype-dependent rule, broken in
 a backend, fails some packaged scenario's ``[expect]`` (numbers derived by hand in
 docs/scenario-derivations.md, not by the reference): the packaged scenarios reach every one of
 these rules.
@@ -62,6 +62,18 @@ class IgnoresSpeculation(Broken):
         return s.with_runtime(num_speculative_tokens=0)
 
 
+class IgnoresDraftLayers(ReferenceBackend):
+    """The worker's specs of the target model only: the MTP drafter's layers (model.layers.N and
+    beyond, or mtp.layers.*) left out."""
+    name = "ignores-draft-layers"
+    def layer_specs(self, scenario):
+        specs = super().layer_specs(scenario=scenario)
+        if scenario.model is None:
+            return specs
+        n = scenario.model.num_hidden_layers
+        return {k: v for k, v in specs.items() if k.startswith("model.") and int(k.split(".")[2]) < n}
+
+
 class WindowsAsFull(Broken):
     name = "windows-as-full"
     def changed(self, s):
@@ -86,6 +98,34 @@ class Fp8AsModelDtype(Broken):
     def changed(self, s):
         fp8 = s.runtime.kv_cache_dtype == "fp8"
         return s.with_runtime(kv_cache_dtype="auto") if fp8 else s
+
+
+class NoHeterogeneousAlignment(ReferenceBackend):
+    """Phase 3 of update_block_size_for_backend (_align_heterogeneous_kv_block_size) skipped:
+    skip layers at the model dtype, the block left where Phases 1 and 2 put it."""
+    name = "no-phase-3"
+    def plan(self, scenario):
+        def keep(primary, padded, *, kernel_block_alignment, block_size, state_page_padded):
+            return block_size, None, state_page_padded
+        with mock.patch("pytest_kvconform.reference.hybrid.align_heterogeneous_kv_block_size", keep):
+            return super().plan(scenario)
+
+
+class NoBoundaryLayers(ReferenceBackend):
+    """TurboQuant's boundary skip layers of a dense model not added (every layer packed)."""
+    name = "no-boundary-layers"
+    def plan(self, scenario):
+        with mock.patch("pytest_kvconform.reference.hybrid.boundary_skip_layers", lambda s: ()):
+            return super().plan(scenario)
+
+
+class NoFullAllocationFallback(ReferenceBackend):
+    """MLA + sliding-window pages that unification refuses: the full-allocation fallback
+    (_try_get_full_allocation_fallback_groups, vLLM 0.27+) left out, so the error propagates."""
+    name = "no-full-allocation-fallback"
+    def plan(self, scenario):
+        with mock.patch("pytest_kvconform.reference.grouping.full_allocation_fallback", lambda specs: None):
+            return super().plan(scenario)
 
 
 class MlaRopeNotBilled(ReferenceBackend):
@@ -142,9 +182,12 @@ class PlanNotProvided(ReferenceBackend):
         ("NoExtraGroups", {"granite-4.0-h-tiny-tp4", "granite-4.0-h-small-tp8"}),
         ("IgnoresDcp", {"deepseek-v3-dcp8"}),
         ("IgnoresSpeculation", {"qwen3.5-35b-a3b-mtp1", "qwen3-next-80b-a3b-mtp2-tp4"}),
+        ("IgnoresDraftLayers", {"deepseek-v3-mtp1", "qwen3.5-35b-a3b-mtp1", "qwen3-next-80b-a3b-mtp2-tp4"}),
         ("WindowsAsFull", {"gemma-3-27b-it", "gpt-oss-20b"}),
         ("FullLayersAsSliding", {"gemma-4-31b-it"}),
         ("Fp8AsModelDtype", {"deepseek-v3-fp8"}),
+        ("NoHeterogeneousAlignment", {"llama-3.1-8b-instruct-turboquant-k8v4"}),
+        ("NoBoundaryLayers", {"llama-3.1-8b-instruct-turboquant-k8v4"}),
     ],
 )
 def test_a_broken_rule_fails_a_packaged_expectation(
@@ -246,3 +289,23 @@ def test_the_plan_benchmark_skips_only_declared_failures(
     ran = {k: v for k, v in result.parseoutcomes().items() if k in ("passed", "failed", "skipped", "errors")}
     assert ran == {outcome.lower(): 1}, result.stdout.str()
     result.stdout.fnmatch_lines([shown])
+
+
+def test_a_broken_full_allocation_fallback_fails_its_expectation(pytester: pytest.Pytester) -> None:
+    """No real model reaches the MLA + sliding-window fallback (reference/grouping.py), so its
+    hand-derived [expect] (docs/scenario-derivations.md, 10b) is a spec-level test scenario,
+    tests/data/mla-sliding-fallback.toml: the reference meets it, the broken backend fails it."""
+    scenario = Path(__file__).parent / "data" / "mla-sliding-fallback.toml"
+    pytester.makepyfile(broken=BROKEN)
+    pytester.syspathinsert()
+    outcomes = {}
+    for backend in ("reference", "broken:NoFullAllocationFallback"):
+        result = pytester.runpytest(
+            RULES_SUITE, f"--kvconform-backend={backend}", f"--kvconform-scenarios={scenario}", "-rA",
+            "-k", "test_expectations and mla-sliding-fallback", "-p", "no:cacheprovider",
+        )  # fmt: skip
+        outcomes[backend] = _outcomes(result, "test_expectations")
+    assert outcomes == {
+        "reference": {"mla-sliding-fallback": "PASSED"},
+        "broken:NoFullAllocationFallback": {"mla-sliding-fallback": "FAILED"},
+    }

@@ -150,7 +150,9 @@ def test_max_concurrent_batches_follows_the_async_scheduling_default(
     if method is not None:
         s = kept_unset(s, num_speculative_tokens=1, speculative_method=method)
     assert r.engine_defaults(scenario=s).runtime.max_concurrent_batches == batches
-    sliding = next(x for x in r.layer_specs(scenario=s).values()
+    # the target's layers (a draft_model's own layers cannot be derived: layer_specs rejects them)
+    target = kept_unset(s, num_speculative_tokens=0) if method == "draft_model" else s
+    sliding = next(x for x in r.layer_specs(scenario=target).values()
                    if isinstance(x, AttentionSpec) and x.kind == "sliding_window")  # fmt: skip
     assert r.max_memory_usage_bytes(sliding, scenario=s) == blocks * sliding.page_size_bytes
 

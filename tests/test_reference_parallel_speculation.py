@@ -106,14 +106,16 @@ def test_multi_module_mtp_retains_tokens_below_the_window() -> None:
     """get_kv_cache_configs tags sliding-window specs with extra = lookahead - 1 = 2 (3 MTP modules,
     3 tokens); SlidingWindowSpec.max_admission_blocks_per_request: window 128, F = 2048, block 16:
     cdiv(min(127 + 2 + 2048, 8192), 16) + 1 = cdiv(2177, 16) + 1 = 138 (137 without the 2 tokens).
-    The full-attention layer needs cdiv(8192, 16) = 512: 650 in all."""
+    A full-attention layer needs cdiv(8192, 16) = 512. With mtp the drafter adds its 3 MTP layers
+    (full attention, speculative.num_draft_layers): buckets 1 S and 4 A, 4 >= 1.5 x 1, so group size
+    1 and 1 + 4 groups: 138 + 4 x 512 = 2186; ngram has no draft layers: 137 + 512 = 649."""
     base = {"max_model_len": 8192, "attention": {"sliding_window": 128}}
     mtp = scenario("SA", nextn=3, num_speculative_tokens=3, speculative_method="mtp", **base)  # type: ignore[arg-type]
     ngram = scenario("SA", nextn=3, num_speculative_tokens=3, speculative_method="ngram", **base)  # type: ignore[arg-type]
-    assert plan(mtp).blocks_per_request == 138 + 512
+    assert plan(mtp).blocks_per_request == 138 + 4 * 512
     assert plan(ngram).blocks_per_request == 137 + 512
     groups = ReferenceRules().kv_cache_groups(layer_specs(mtp), scenario=mtp)
-    assert sorted(g.blocks_per_request for g in groups) == [138, 512]
+    assert sorted(g.blocks_per_request for g in groups) == [138, 512, 512, 512, 512]
 
 
 # -- register_kv_cache_dtype (vllm/config/cache.py, vLLM 0.33)

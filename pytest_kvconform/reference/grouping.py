@@ -1,12 +1,36 @@
 """KV cache groups: uniform, uniform-type, and uniform-page-size grouping.
 
 Mirrors ``get_kv_cache_groups`` (v1/core/kv_cache_planning.py in vLLM 0.33.0,
-v1/core/kv_cache_utils.py before), ``UniformTypeKVCacheSpecs`` (v1/kv_cache_interface.py)
-and ``_get_kv_cache_groups_uniform_page_size``, for layer-outer layouts (the default).
+v1/core/kv_cache_utils.py before), ``UniformTypeKVCacheSpecs`` (v1/kv_cache_interface.py),
+``_get_kv_cache_groups_uniform_page_size`` and, from 0.27, the full-allocation fallback
+(``_try_get_full_allocation_fallback_groups``, ``_promote_local_kv_cache_specs``), for
+layer-outer layouts (the default).
+
+Followed by construction, with no bytes of their own for any spec the reference builds:
+
+* Merging specs that differ yet merge (``KVCacheSpec.merge`` and its overrides in
+  v1/kv_cache_interface.py; ``is_kv_cache_spec_uniform``; from 0.27 the greedy bucket merge of
+  ``_get_kv_cache_groups_uniform_page_size``). ``FullAttentionSpec.merge`` lets a group's specs
+  differ only in ``sliding_window``, ``attention_chunk_size`` and ``non_causal``;
+  ``MLAAttentionSpec.merge`` requires its extra fields to be unique; every other class merges
+  equal specs only. A full-attention spec with a window or chunk exists only after
+  ``unify_hybrid_kv_cache_specs`` (the hybrid KV cache manager disabled, not modelled) and
+  ``non_causal`` only on prefix-LM layers (no modelled field): the reference's specs merge
+  exactly when they are equal, which is how it buckets them.
+* Rounding each page to its block-stride alignment (``_get_layer_block_stride``,
+  ``KVCacheSpec.get_block_stride_alignment``, ``_get_kv_cache_bytes_per_block``; vLLM 0.32+,
+  the ``block_stride_alignment`` field from 0.31). Layer-outer, a layer's stride is
+  ``round_up(page, alignment)``. Every alignment a modelled spec can carry divides its page:
+  FlashMLA-sparse's ``align_blocks_to_rows`` is one token row (``state_content_size_bytes``),
+  and ``MultipleOf(n)`` (quantized FlashMLA-sparse off SM100, backends with fixed kernel
+  blocks: ``customize_attention_spec`` in v1/worker/utils.py) is the page of ``gcd(n, block)``
+  tokens, or the padded page itself. Only ``tokens_per_state != 1`` or DeepSeek-V4.1's packed
+  alignment (neither modelled) round up, so :attr:`GroupSpec.bytes_per_block` is the sum of pages.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -78,22 +102,92 @@ def group_size_for(bucket_sizes: Sequence[int]) -> int:
     return hi if hi < 1.5 * lo else lo
 
 
+def _uniform_type(values: Sequence[KVCacheSpec]) -> bool:
+    """``UniformTypeKVCacheSpecs.is_uniform_type``: one block size and one base type."""
+    return len({s.block_size for s in values}) == 1 and len({_type_key(s) for s in values}) == 1
+
+
+#: ``_promote_local_kv_cache_specs``: the local kinds promoted, and the ``FullAttentionSpec``
+#: kinds whose block size they take (``MLAAttentionSpec`` subclasses ``FullAttentionSpec``).
+_LOCAL_KINDS, _FULL_KINDS = ("sliding_window", "chunked_local"), ("full_attention", "mla")
+
+
+def promote_local_specs(specs: dict[str, KVCacheSpec]) -> dict[str, KVCacheSpec] | None:
+    """``_promote_local_kv_cache_specs`` (vLLM 0.27+): with full (or MLA) attention present, every
+    sliding-window and chunked-local spec becomes a full-attention spec (all tokens kept,
+    ``extra_retained_tokens`` dropped) at the full layers' block size when they share one, else
+    its own; a padded page becomes ``max(padded, unpadded page at the new block)``. ``None`` where
+    vLLM raises ``ValueError`` (the result is neither uniform nor of uniform type)."""
+    values = tuple(specs.values())
+    if len(set(values)) == 1 or _uniform_type(values):
+        return dict(specs)
+    attn = [s for s in values if isinstance(s, AttentionSpec)]
+    full_blocks = {s.block_size for s in attn if s.kind in _FULL_KINDS}
+    full_block = next(iter(full_blocks)) if len(full_blocks) == 1 else None
+    promoted = dict(specs)
+    if full_blocks and any(s.kind in _LOCAL_KINDS for s in attn):
+        for name, spec in specs.items():
+            if not (isinstance(spec, AttentionSpec) and spec.kind in _LOCAL_KINDS):
+                continue
+            block = full_block or spec.block_size
+            padded = spec.page_size_padded
+            if padded is not None:
+                padded = max(padded, spec.real_page_size_bytes * block // spec.block_size)
+            promoted[name] = dataclasses.replace(
+                spec, kind="full_attention", block_size=block, page_size_padded=padded,
+                sliding_window=None, attention_chunk_size=None, extra_retained_tokens=0,
+            )  # fmt: skip
+    values = tuple(promoted.values())
+    return promoted if len(set(values)) == 1 or _uniform_type(values) else None
+
+
+def full_allocation_fallback(specs: dict[str, KVCacheSpec]) -> list[GroupSpec] | None:
+    """``_try_get_full_allocation_fallback_groups`` (vLLM 0.27+), tried when page unification
+    raises ``NotImplementedError``: only for MLA with regular sliding-window layers (no chunked-local
+    layers; vLLM also excludes sliding-window MLA and hidden-state layers, which the reference has
+    not), whose promoted specs (:func:`promote_local_specs`) form one uniform-type group (vLLM
+    warns "KV cache page sizes cannot be unified; treating sliding-window layers as full attention
+    for cache allocation..."). ``None``: vLLM re-raises the unification error.
+
+    Reached from 0.29 (an MLA page is no longer padded); 0.27, 0.28 pad it for the stride-indexing
+    backends the reference models. No real model reaches it that we found: openPangu is MLA or GQA
+    throughout (``use_mla``), dots3-note's and DeepSeek-V4's windows are sliding-window MLA, and we
+    know of no sliding-window draft for an MLA target; hence no packaged scenario (the worked case
+    is tests/data/mla-sliding-fallback.toml, docs/scenario-derivations.md 10b)."""
+    kinds = {s.kind for s in specs.values()}
+    if "chunked_local" in kinds or not {"mla", "sliding_window"} <= kinds:
+        return None
+    promoted = promote_local_specs(specs)
+    if promoted is None or not _uniform_type(tuple(promoted.values())):  # from_specs: None
+        return None
+    return [GroupSpec(tuple(promoted), tuple(promoted.values()), uniform_type=True)]
+
+
 def get_kv_cache_groups(
     specs: dict[str, KVCacheSpec],
     policy: str = "pad-to-max",
     unify: Callable[[dict[str, KVCacheSpec]], dict[str, KVCacheSpec]] | None = None,
+    *,
+    fallback: bool = True,
 ) -> list[GroupSpec]:
     """Group layers as vLLM's engine core does before planning the pool; ``unify`` replaces
-    :func:`~.unify.unify_page_sizes` under ``policy``."""
+    :func:`~.unify.unify_page_sizes` under ``policy``. ``fallback``: the release has the
+    full-allocation fallback (0.27+, ``full_allocation_fallback``) for pages unification refuses."""
     if not specs:
         return []
     names, values = tuple(specs), tuple(specs.values())
     distinct = tuple(dict.fromkeys(values))
     if len(distinct) == 1:  # is_kv_cache_spec_uniform
         return [GroupSpec(names, values)]
-    if len({s.block_size for s in distinct}) == 1 and len({_type_key(s) for s in distinct}) == 1:
+    if _uniform_type(distinct):
         return [GroupSpec(names, values, uniform_type=True)]
-    unified = unify(specs) if unify is not None else unify_page_sizes(specs, policy)
+    try:
+        unified = unify(specs) if unify is not None else unify_page_sizes(specs, policy)
+    except NotImplementedError:
+        groups = full_allocation_fallback(specs) if fallback else None
+        if groups is None:
+            raise
+        return groups
     buckets: dict[KVCacheSpec, list[str]] = {}
     for name, spec in unified.items():
         buckets.setdefault(spec, []).append(name)

@@ -49,7 +49,8 @@ STEPS: dict[str, tuple[str, str, str]] = {
     "hybrid alignment": ("hybrid_alignment", "align_hybrid_block_size",
                          "vllm/platforms/interface.py::Platform._align_hybrid_block_size"),
     "block choice": ("block_size", "choose_block_size",
-                     "vllm/platforms/interface.py::Platform.update_block_size_for_backend"),
+                     "vllm/platforms/interface.py::Platform.update_block_size_for_backend "
+                     "(Phase 3: _align_heterogeneous_kv_block_size)"),
     "layer specs": ("layer_specs", "layer_specs",
                     "vllm/v1/worker/gpu_model_runner.py::GPUModelRunner.get_kv_cache_spec"),
     "attention page": ("attention_page", "attention_page_bytes",

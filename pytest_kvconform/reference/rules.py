@@ -158,7 +158,10 @@ class ReferenceRules:
     def _groups(self, specs: dict[str, KVCacheSpec], scenario: Scenario) -> list[KVCacheGroup]:
         # get_kv_cache_configs tags sliding-window specs with the speculative retained tokens first
         tagged = with_retained_tokens(specs, scenario, self.release)
-        groups = get_kv_cache_groups(tagged, unify=lambda s: self.unify_page_sizes(s, scenario=scenario))
+        groups = get_kv_cache_groups(
+            tagged, unify=lambda s: self.unify_page_sizes(s, scenario=scenario),
+            fallback=self.release.has("full_allocation_fallback"),
+        )  # fmt: skip
 
         def pages(spec: KVCacheSpec) -> int:
             return cdiv(self.max_memory_usage_bytes(spec, scenario=scenario), spec.page_size_bytes)

@@ -23,7 +23,7 @@ from pytest_kvconform.conformance import (
     skip_if_not_provided,
 )
 from pytest_kvconform.scenario import Scenario, scenario_from_dict
-from pytest_kvconform.strategies import exercised_rules, scenario_dicts, scenario_toml
+from pytest_kvconform.strategies import exercised_rules, mla_sliding_spec_dicts, scenario_dicts, scenario_toml
 
 # Inputs a backend cannot model are discarded and counted (the summary's "discarded" column);
 # hypothesis's filter_too_much health check still fails a backend that discards nearly all.
@@ -106,6 +106,19 @@ def test_layer_specs_generated(kv_backend: Any, kv_reference: Any, data: dict[st
 @_settings
 @given(data=scenario_dicts())
 def test_grouping_generated(kv_backend: Any, kv_reference: Any, data: dict[str, Any]) -> None:
+    s, expected, got = _on_layer_specs(kv_backend, kv_reference, data, "kv_cache_groups")
+    assert_same("grouping", kv_backend, s, {"groups": expected}, {"groups": got})
+
+
+@pytest.mark.kvconform_rule("grouping")
+@_settings
+@given(data=mla_sliding_spec_dicts())
+def test_grouping_of_mla_and_windows_generated(
+    kv_backend: Any, kv_reference: Any, data: dict[str, Any]
+) -> None:
+    """MLA next to sliding-window layers (spec-level, as an MLA target with a sliding-window draft
+    registers them): pages unification refuses take vLLM's full-allocation fallback (0.27+,
+    reference/grouping.py), the others group as usual."""
     s, expected, got = _on_layer_specs(kv_backend, kv_reference, data, "kv_cache_groups")
     assert_same("grouping", kv_backend, s, {"groups": expected}, {"groups": got})
 

@@ -92,6 +92,27 @@ def _model_class(config: Any) -> Any:
     return model_cls
 
 
+def build_drafter(config: Any) -> None:
+    """The MTP drafter's model, built as ``SpecDecodeBaseProposer._get_model``
+    (vllm/v1/spec_decode/llm_base_proposer.py, 0.23 ... 0.33) builds it from the worker's
+    ``load_model``, after the target: ``speculative_config.draft_model_config``'s MTP architecture
+    on the worker's config, under ``set_model_tag("eagle_head")``. Its attention layers register in
+    the config's forward context next to the target's, so ``get_kv_cache_spec`` reports them. The
+    proposer's own config differs only in the attention backend it re-selects (None here as in the
+    target's) and a speculative ``kv_cache_dtype`` (never set offline). Call under ``meta`` and
+    the config's scope; ngram (no model) and no speculation build nothing."""
+    spec = config.speculative_config
+    if spec is None or spec.method != "mtp" or spec.draft_model_config is None:
+        return
+    from vllm.compilation.backends import set_model_tag
+    from vllm.model_executor.models import ModelRegistry
+
+    draft = spec.draft_model_config
+    model_cls, _ = ModelRegistry.resolve_model_cls(draft.architecture, model_config=draft)
+    with set_model_tag("eagle_head"):
+        model_cls(vllm_config=config, prefix="")
+
+
 def build_engine_specs(
     scenario: Scenario, platform: type, make_worker: Callable[[Any, str], Any] | None = None
 ) -> EngineSpecs:
@@ -125,6 +146,7 @@ def build_engine_specs(
         try:
             with torch.device("meta"):
                 _model_class(config)(vllm_config=config, prefix="")
+                build_drafter(config)
         except UnsupportedByVllmError:
             raise
         except Exception as exc:  # the model class itself cannot be built here
@@ -143,7 +165,8 @@ def build_engine_specs(
         specs = worker.get_kv_cache_spec()
     cache = config.cache_config
     mamba_block = cache.mamba_block_size if cache.mamba_block_size is not None else rt.max_model_len
-    choice = BlockChoice(int(cache.block_size), int(mamba_block), cache.mamba_page_size_padded)
+    padded, shared = cache.mamba_page_size_padded, getattr(cache, "skip_page_size_padded", None)
+    choice = BlockChoice(int(cache.block_size), int(mamba_block), padded, shared)
     return EngineSpecs(config, dict(specs), choice, backends, worker)
 
 

@@ -93,6 +93,18 @@ def _default_prefix_caching(text: str, dtype: str, max_model_len: int, platform:
 CACHES.append(_default_prefix_caching)
 
 
+def skip_layers(stated: tuple[str, ...], cache_dtype: str, model_config: Any) -> list[str]:
+    """``--kv-cache-dtype-skip-layers`` as ``EngineArgs.create_engine_config`` (vllm/engine/
+    arg_utils.py) leaves it: for ``turboquant_*`` (and ``ultraquant_4bit`` from 0.32) the union with
+    vLLM's own ``TurboQuantConfig.get_boundary_skip_layers`` (a dense model's first and last two)."""
+    if not (cache_dtype.startswith("turboquant_") or cache_dtype == "ultraquant_4bit"):
+        return list(stated)
+    from vllm.model_executor.layers.quantization.turboquant.config import TurboQuantConfig
+
+    boundary = TurboQuantConfig.get_boundary_skip_layers(model_config)
+    return sorted(set(stated) | set(boundary))
+
+
 def vllm_config(scenario: Scenario, platform: type) -> Any:
     """The scenario's ``VllmConfig``; call it inside ``platform_scope(platform)``. A setting the
     scenario leaves unset (``RuntimeSettings.unset``) is left unset to vLLM, whose own defaulting
@@ -119,6 +131,9 @@ def vllm_config(scenario: Scenario, platform: type) -> Any:
             "(2) or pipeline parallelism, which the offline config does not model"
         )
     register_kv_cache_dtypes(rt.registered_kv_cache_dtypes)
+    if rt.kv_cache_dtype == "ultraquant_4bit":  # also when every attention layer is a skip layer:
+        # Platform._align_hybrid_block_size imports UltraQuantAttentionBackend for the dtype
+        raise UnsupportedByVllmError("the UltraQuant backend imports Triton kernels, which a CPU build lacks")
     if "mamba_cache_mode" in rt.unset:  # vLLM decides: the prefix-caching default, then the model's hook
         mode: dict[str, Any] = {
             "enable_prefix_caching": _default_prefix_caching(text, model.dtype, rt.max_model_len, platform)
@@ -136,6 +151,9 @@ def vllm_config(scenario: Scenario, platform: type) -> Any:
         kv_cache_memory_bytes=rt.kv_cache_memory_bytes,  # --kv-cache-memory-bytes: what the worker reports
         **mode,
     )  # fmt: skip
+    # the boundary layers EngineArgs.create_engine_config adds to --kv-cache-dtype-skip-layers
+    stated = rt.kv_cache_dtype_skip_layers
+    cache.kv_cache_dtype_skip_layers = skip_layers(stated, rt.kv_cache_dtype, model_config)
     scheduler = SchedulerConfig(
         max_model_len=rt.max_model_len, is_encoder_decoder=False,
         max_num_batched_tokens=rt.max_num_batched_tokens,
