@@ -27,6 +27,7 @@ from ..errors import RuleNotApplicable
 from ..model import KVPlan, MemoryCheck, PoolAllocation
 from ..reference import plan as reference_plan
 from ..reference.specs import AttentionSpec, KVCacheSpec, MambaSpec
+from ..reference.speculative import num_draft_layers, speculative_method
 from ..scenario import Scenario
 from .base import ReferenceBackend
 
@@ -133,6 +134,8 @@ class MetalBackend(ReferenceBackend):
         kv_dtype = scenario.runtime.kv_cache_dtype
         if kv_dtype not in ("auto", model.dtype if model is not None else None):
             return f"the runtime stores K/V in the model dtype; kv_cache_dtype {kv_dtype!r} is not modelled"
+        if model is not None and speculative_method(scenario) == "mtp" and num_draft_layers(scenario):
+            return "the MLX pool holds the target's attention layers only, not the MTP drafter's"
         if model is not None and model.is_hybrid:
             group_size = reference_plan(scenario).group_size
             if group_size != model.num_attention_layers:
