@@ -24,6 +24,7 @@ from typing import Any, ClassVar, TypeVar
 from ...errors import RuleNotApplicable
 from ...model import BlockChoice, HybridAlignment, KVCacheGroup, KVPlan, MemoryCheck, PoolAllocation
 from ...reference.mamba import Shapes
+from ...reference.releases import rule_set
 from ...reference.specs import AttentionSpec, KVCacheSpec, MambaSpec
 from ...reference.speculative import speculative_method
 from ...scenario import RuntimeSettings, Scenario
@@ -197,6 +198,16 @@ class VllmBackend(ReferenceBackend):
         method = speculative_method(scenario)
         if method not in (None, "mtp", "ngram"):
             return f"speculative method {method!r} needs a draft checkpoint; not built offline"
+        if (
+            method == "ngram"
+            and "max_concurrent_batches" in scenario.runtime.unset
+            and not _has_triton()
+            and rule_set(self.version, newer_is_latest=True).has("async_scheduling_ngram_v2_runner")
+        ):
+            return (
+                "vLLM without Triton picks the V1 model runner (VllmConfig.use_v2_model_runner), which turns "
+                "async scheduling off for ngram; the GPU engine's V2 runner keeps it on"
+            )
         dtype = scenario.runtime.kv_cache_dtype
         registered = dict(scenario.runtime.registered_kv_cache_dtypes)
         if dtype not in registered and dtype not in kv_cache_dtypes():
@@ -448,6 +459,15 @@ def _current_config(config: Any) -> Iterator[None]:
 #: "rerun_hooks" in front -> what rerun_hooks found on a fresh engine
 _ENGINES: dict[tuple[Any, ...], Any] = {}
 CACHES.append(_ENGINES)
+
+
+def _has_triton() -> bool:
+    """Whether this vLLM has Triton (``vllm.triton_utils.HAS_TRITON``; the CPU builds do not)."""
+    try:
+        from vllm.triton_utils import HAS_TRITON
+    except ImportError:
+        return False
+    return bool(HAS_TRITON)
 
 
 @contextlib.contextmanager

@@ -157,17 +157,23 @@ def _inspect_model_classes_here() -> None:
     the engine. That child imports vLLM again: 11-16 s per architecture on an empty
     ``VLLM_CACHE_ROOT``, most of a cold run. This process imports each of those classes anyway
     (it builds the model's layers on meta) and has no CUDA to spare, and ``_ModelInfo.from_model_cls``
-    reads class attributes only, so the answer is the same; vLLM still caches it on disk.
+    reads class attributes only, so the answer is the same; vLLM still caches it on disk. A class
+    that does not import here (a plugin's process may lack what it needs) is inspected as vLLM
+    does, in a child.
     """
     with contextlib.suppress(ImportError):
         from vllm.model_executor.models import registry
 
-        if callable(getattr(registry, "_run_in_subprocess", None)):
-            registry._run_in_subprocess = _call  # type: ignore[attr-defined]
+        in_child = getattr(registry, "_run_in_subprocess", None)
+        if callable(in_child):
 
+            def run_here(fn: Callable[[], Any]) -> Any:
+                try:
+                    return fn()
+                except Exception:
+                    return in_child(fn)
 
-def _call(fn: Callable[[], Any]) -> Any:
-    return fn()
+            registry._run_in_subprocess = run_here  # type: ignore[attr-defined]
 
 
 def installed_vllm_version() -> str:
