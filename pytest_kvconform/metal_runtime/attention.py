@@ -566,7 +566,7 @@ def dense_attention(
 ) -> np.ndarray:
     """Oracle: explicit per-sequence softmax over contiguous ``keys[s]``/``values[s] [L_s, Hkv, D]``.
 
-    Written in float64 numpy, independent of the paged path: GQA by ``np.repeat`` over heads, an
+    Written in float64 numpy, independent of the paged path: GQA by grouping query heads per KV head, an
     explicit boolean causal/window mask, the sink added to the denominator only, and the kernel's
     ``+1e-6`` (pagedattention.metal). ``L_s`` is the sequence length including its query rows. Returns
     float32 ``[T, Hq, D]``.
@@ -583,9 +583,9 @@ def dense_attention(
             continue
         k, v = _to_f64(keys[s]), _to_f64(values[s])
         seq_len, hkv = k.shape[0], k.shape[1]
-        k = np.repeat(k, hq // hkv, axis=1)  # [L, Hq, D]
-        v = np.repeat(v, hq // hkv, axis=1)
-        logits = np.einsum("rhd,thd->hrt", q, k) * scale  # [Hq, rows, L]
+        g = hq // hkv  # query head h attends with KV head h // g
+        qg = q.reshape(rows, hkv, g, q.shape[-1])
+        logits = np.einsum("rkgd,tkd->kgrt", qg, k, optimize=True).reshape(hq, rows, seq_len) * scale
         eff = seq_len - rows + np.arange(rows) + 1
         t = np.arange(seq_len)
         mask = t[None, :] < eff[:, None]
@@ -599,5 +599,6 @@ def dense_attention(
         denom = w.sum(axis=-1, keepdims=True) + _DENOM_EPS
         if sink is not None:
             denom = denom + np.exp(sink[:, None, None] - m)
-        out[cu[s] : cu[s + 1]] = np.einsum("hrt,thd->rhd", w / denom, v)
+        p = (w / denom).reshape(hkv, g, rows, seq_len)
+        out[cu[s] : cu[s + 1]] = np.einsum("kgrt,tkd->rkgd", p, v, optimize=True).reshape(rows, hq, -1)
     return out.astype(np.float32)
