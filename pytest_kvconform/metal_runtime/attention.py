@@ -347,13 +347,7 @@ def _attend_group(
     if r_max > 1 or int(kv_lens.min()) < l_max:  # decode rows of equal length need no mask
         scores = mx.where(_keep_mask(lens[group], lo[group], r_lens, kv_lens, window), scores, -mx.inf)
 
-    m = scores.max(axis=-1, keepdims=True)
-    if sink is not None:
-        m = mx.maximum(m, sink)
-    e = _exp_nonpositive(scores - m)
-    denom = e.sum(axis=-1, keepdims=True) + _DENOM_EPS
-    if sink is not None:
-        denom = denom + mx.exp(sink - m)
+    e, denom = _softmax_parts(scores, sink)
     out = (e @ v) / denom  # [n, Hkv, G, R, D]
     if r_max > 1:
         out = out.transpose(0, 3, 1, 2, 4)
@@ -424,13 +418,7 @@ def _attend_decode(
         )
         scores = mx.where(keep.reshape(n, 1, 1, l_max), scores, -mx.inf)
 
-    m = scores.max(axis=-1, keepdims=True)
-    if sink is not None:
-        m = mx.maximum(m, sink)
-    e = _exp_nonpositive(scores - m)
-    denom = e.sum(axis=-1, keepdims=True) + _DENOM_EPS
-    if sink is not None:
-        denom = denom + mx.exp(sink - m)
+    e, denom = _softmax_parts(scores, sink)
 
     pos = np.clip(start[:, None] + np.arange(l_max)[None, :], g_lo[:, None], g_lens[:, None] - 1)  # [n, L]
     rows = (table[group[:, None], pos // bs] * bs + pos % bs) * hkv
@@ -480,6 +468,20 @@ _EXP2_POLY = (
     1.0,
 )
 _ROUND = 12582912.0  # 1.5 * 2**23: (y + _ROUND) - _ROUND rounds |y| < 2**22 to an integer
+
+
+def _softmax_parts(scores: mx.array, sink: mx.array | None) -> tuple[mx.array, mx.array]:
+    """The unnormalised weights and their denominator over the last axis, as the kernel forms
+    them: the max (and the sink) subtracted, the sink added to the denominator only, plus
+    ``_DENOM_EPS``."""
+    m = scores.max(axis=-1, keepdims=True)
+    if sink is not None:
+        m = mx.maximum(m, sink)
+    e = _exp_nonpositive(scores - m)
+    denom = e.sum(axis=-1, keepdims=True) + _DENOM_EPS
+    if sink is not None:
+        denom = denom + mx.exp(sink - m)
+    return e, denom
 
 
 def _exp_nonpositive(x: mx.array) -> mx.array:
