@@ -4,7 +4,8 @@ Whatever backend is selected, its one-sequence bytes are turned into a pool the 
 allocates: it must hold ``max_model_len`` tokens (written through a slot mapping and attended
 over, against the dense oracle; MLA latents, which the runtime has no attention kernel for, are
 read back through the block table). Big models are scaled down to one attention layer with one KV
-head, which keeps the sizing shape (block size, per-token bytes per head, token count).
+head of 64 values per token, which keeps what the pool's capacity depends on (the block size, the
+blocks the bytes buy, the token count).
 
 The ``allocation`` family runs on backends that really allocate (capability ``allocation``):
 given the reference's plan, the pool the backend allocates must hold exactly ``num_blocks *
@@ -45,12 +46,24 @@ def _blocks_in_one_sequence(scenario: Scenario, one_sequence_bytes: int) -> tupl
     return max(0, one_sequence_bytes - state) // per_block, block
 
 
+#: Values per token in the scaled-down pool. What the pool holds depends on the block size, the
+#: blocks the one-sequence bytes buy and the token count, not on the row width; 64 instead of a
+#: 256-wide head (or a 576-wide MLA latent) makes a 262,144-token sequence 4x (9x) cheaper.
+_ROW_WIDTH = 64
+
+
 @pytest.mark.kvconform_metal
 @pytest.mark.kvconform_rule("one_sequence")
 def test_one_sequence_pool_holds_max_model_len(kv_backend: Any, kv_scenario: Scenario) -> None:
-    """The pool the backend's one-sequence bytes buy holds ``max_model_len`` tokens: K/V attended
-    over against the dense oracle, or, for MLA (the runtime has no MLA attention kernel), the
-    latents read back through the block table."""
+    """The pool the backend's one-sequence bytes buy holds ``max_model_len`` tokens: every token's
+    K and V (for MLA, its one latent) written through the slot mapping read back unchanged
+    through the block table, and paged attention over them equals the dense oracle (not for MLA:
+    the runtime has no MLA attention kernel)."""
+    import mlx.core as mx
+    import numpy as np
+
+    from pytest_kvconform.metal_runtime import reshape_and_cache
+
     model = kv_scenario.model
     if model is None or model.attention is None:
         pytest.skip("needs a model-level scenario with attention layers")
@@ -60,10 +73,21 @@ def test_one_sequence_pool_holds_max_model_len(kv_backend: Any, kv_scenario: Sce
     assert num_blocks * block >= length, (
         f"{one_sequence} B buy {num_blocks} blocks of {block} tokens: {num_blocks * block} < {length} tokens"
     )
-    if model.attention.kind == "mla":
-        _latents_read_back(kv_scenario, num_blocks, block)
-    else:
-        _attention_matches_dense(kv_scenario, num_blocks, block)
+    dtype = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}[model.dtype]
+    mla = model.attention.kind == "mla"
+    table, slots = _sequence_layout(num_blocks, block, length)
+    rng = np.random.default_rng(0)
+    keys = _token_rows(rng, length)
+    values = keys if mla else _token_rows(rng, length)
+    empty = mx.zeros((num_blocks, block, 1, _ROW_WIDTH), dtype=dtype)
+    cache_k, cache_v = reshape_and_cache(keys.astype(dtype), values.astype(dtype), empty, empty, slots)
+    for name, cache, rows in (("K", cache_k, keys), ("V", cache_v, values)):
+        read = cache[mx.array(table)].reshape(len(table) * block, 1, _ROW_WIDTH)[:length]
+        assert mx.array_equal(read.astype(mx.float32), rows).item(), (
+            f"{name} of {length} tokens does not read back through the block table {table[:4]}..."
+        )
+    if not mla:
+        _attention_matches_dense(model.dtype, cache_k, cache_v, table, keys, values)
 
 
 def _sequence_layout(num_blocks: int, block: int, length: int) -> tuple[list[int], Any]:
@@ -78,62 +102,37 @@ def _sequence_layout(num_blocks: int, block: int, length: int) -> tuple[list[int
     return table[: -(-length // block)], mx.array(slots, dtype=mx.int64)
 
 
-def _latents_read_back(scenario: Scenario, num_blocks: int, block: int) -> None:
-    """Every token's MLA latent (kv_lora_rank + qk_rope_head_dim values) is written through the
-    slot mapping into a pool of ``num_blocks`` blocks and read back through the block table,
-    unchanged and in order (one latent per token: MLA has no separate V)."""
+def _token_rows(rng: Any, length: int) -> Any:
+    """``[length, 1, _ROW_WIDTH]`` float32 values: multiples of 1/64 in [-2, 2) from random bytes,
+    so exact in bfloat16 and float16 (7 significant bits) and about the spread of unit normals
+    (a query-key score has std ~1.3 after 1/sqrt(d)); standard normals cost 4x as much to draw."""
     import mlx.core as mx
     import numpy as np
 
-    from pytest_kvconform.metal_runtime import reshape_and_cache
-
-    model, length = scenario.model, scenario.runtime.max_model_len
-    assert model is not None and model.attention is not None
-    dtype = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}[model.dtype]
-    d = model.attention.kv_lora_rank + model.attention.qk_rope_head_dim
-    table, slots = _sequence_layout(num_blocks, block, length)
-    rng = np.random.default_rng(0)
-    latents = mx.array(rng.standard_normal((length, 1, d), dtype=np.float32)).astype(dtype)
-    cache = mx.zeros((num_blocks, block, 1, d), dtype=dtype)
-    cache, _ = reshape_and_cache(latents, latents, cache, cache, slots)
-    read = cache[mx.array(table)].reshape(len(table) * block, 1, d)[:length]
-    assert mx.array_equal(read, latents).item(), (
-        f"the latents of {length} tokens do not read back through the block table {table[:4]}..."
-    )
+    raw = np.frombuffer(rng.bytes(length * _ROW_WIDTH), dtype=np.int8).reshape(length, 1, _ROW_WIDTH)
+    return mx.array(raw).astype(mx.float32) * (1 / 64)
 
 
-def _attention_matches_dense(scenario: Scenario, num_blocks: int, block: int) -> None:
-    """One KV head's K/V for every token, written through the slot mapping into a pool of
-    ``num_blocks`` blocks; paged attention over the block table equals the dense oracle."""
+def _attention_matches_dense(
+    model_dtype: str, cache_k: Any, cache_v: Any, table: list[int], keys: Any, values: Any
+) -> None:
+    """A decode query's paged attention over the sequence's block table equals the dense oracle
+    over the same tokens."""
     import mlx.core as mx
     import numpy as np
 
-    from pytest_kvconform.metal_runtime import (
-        DTYPE_TOLERANCES,
-        dense_attention,
-        paged_attention_logical,
-        reshape_and_cache,
-    )
+    from pytest_kvconform.metal_runtime import DTYPE_TOLERANCES, dense_attention, paged_attention_logical
 
-    model, length = scenario.model, scenario.runtime.max_model_len
-    assert model is not None and model.attention is not None
-    dtype = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}[model.dtype]
-    d = model.attention.head_dim
-    table, slots = _sequence_layout(num_blocks, block, length)
-    rng = np.random.default_rng(0)
-    cache_k = mx.zeros((num_blocks, block, 1, d), dtype=dtype)
-    cache_v = mx.zeros_like(cache_k)
-    keys = mx.array(rng.standard_normal((length, 1, d), dtype=np.float32)).astype(dtype)
-    values = mx.array(rng.standard_normal((length, 1, d), dtype=np.float32)).astype(dtype)
-    cache_k, cache_v = reshape_and_cache(keys, values, cache_k, cache_v, slots)
-    query = mx.array(rng.standard_normal((1, 2, d), dtype=np.float32)).astype(dtype)
-    scale = 1 / math.sqrt(d)
+    length = keys.shape[0]
+    query = mx.array(np.random.default_rng(1).standard_normal((1, 2, _ROW_WIDTH), dtype=np.float32))
+    query = query.astype(cache_k.dtype)
+    scale = 1 / math.sqrt(_ROW_WIDTH)
     cu = mx.array([0, 1], dtype=mx.int32)
     out = paged_attention_logical(
         query, cache_k, cache_v, [table], mx.array([length], dtype=mx.int32), cu, scale=scale, num_kv_heads=1,
     )  # fmt: skip
     expected = dense_attention(query, [keys], [values], cu, scale=scale)
-    atol, rtol = DTYPE_TOLERANCES[model.dtype]
+    atol, rtol = DTYPE_TOLERANCES[model_dtype]
     np.testing.assert_allclose(np.array(out.astype(mx.float32)), expected, atol=atol, rtol=rtol)
 
 
