@@ -257,6 +257,18 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     metafunc.parametrize("kv_scenario", scenarios, ids=[_scenario_id(s) for s in scenarios], indirect=True)
 
 
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # before xdist's own choice of scheduler
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under ``-n N`` with xdist's default ``--dist load``: every test of one scenario in one
+    worker (:mod:`.scheduling`); other ``--dist`` modes are xdist's."""
+    if config.getvalue("dist") != "load":
+        return None
+    from .scheduling import ScenarioScheduling
+
+    ids = [_scenario_id(s) for s in _session(config).scenarios()]
+    return ScenarioScheduling(config, log, scenario_ids=ids)
+
+
 def _scenario_id(scenario: Scenario) -> str:
     return Path(scenario.source).stem if scenario.source.endswith(".toml") else scenario.name
 

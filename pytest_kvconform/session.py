@@ -167,6 +167,9 @@ class KVConformSession:
         return self._hypothesis_dir
 
     def cleanup(self) -> None:
+        close = getattr(self._backend, "close", None)
+        if close is not None:  # its processes, engines, caches
+            close()
         if self._hypothesis_tmp and self._hypothesis_dir is not None:
             shutil.rmtree(self._hypothesis_dir, ignore_errors=True)
 

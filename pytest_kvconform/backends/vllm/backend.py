@@ -32,7 +32,7 @@ from ..base import ReferenceBackend
 from . import configs, hybrid, layers, planning
 from . import specs as vllm_specs
 from .api import kv_cache_dtypes
-from .offline import CACHES, config_json, engine_defaults, register_kv_cache_dtypes, vllm_config
+from .offline import CACHES, clear_caches, config_json, engine_defaults, register_kv_cache_dtypes, vllm_config
 from .platform import (
     CPU_FEATURES,
     HookChange,
@@ -222,6 +222,11 @@ class VllmBackend(ReferenceBackend):
             return f"known vLLM bug: {_LFM2_SPECULATIVE_ROWS}"
         return None
 
+    def close(self) -> None:
+        """Drop the built engines and cached configs at the end of the session, before pytest's
+        last garbage collections walk them."""
+        clear_caches()
+
     # ------------------------------------------------------------------ the engine's view
 
     def engine(self, scenario: Scenario) -> layers.EngineSpecs:
@@ -264,14 +269,13 @@ class VllmBackend(ReferenceBackend):
 
     def rerun_hooks(self, scenario: Scenario) -> dict[str, list[HookChange]]:
         """What the platform's config hooks change when run a second time (see the platform
-        suite, pytest_kvconform/suites/test_kvconform_platform.py): on a freshly built engine, once
-        per engine key (both hooks are asked of one build)."""
-        if scenario.is_spec_level:
-            raise UnsupportedByVllmError("a spec-level scenario has no model for vLLM to build")
+        suite, pytest_kvconform/suites/test_kvconform_platform.py) on a copy of the scenario's
+        engine, once per engine key (both hooks are asked of one copy)."""
+        engine = self.engine(scenario)
         with self._scope(scenario) as platform:
             key = ("rerun_hooks", *self._engine_key(scenario, platform))
             if key not in _ENGINES:
-                _ENGINES[key] = layers.rerun_hooks(scenario, platform, self.make_worker)
+                _ENGINES[key] = layers.rerun_hooks(engine, scenario)
             return _ENGINES[key]
 
     def _inputs(self, specs: dict[str, KVCacheSpec], scenario: Scenario) -> tuple[Any, dict[str, Any]]:
@@ -456,7 +460,7 @@ def _current_config(config: Any) -> Iterator[None]:
 
 
 #: VllmBackend._engine_key -> (the engine, the hook changes its build logged); with
-#: "rerun_hooks" in front -> what rerun_hooks found on a fresh engine
+#: "rerun_hooks" in front -> what rerun_hooks found on a copy of that engine
 _ENGINES: dict[tuple[Any, ...], Any] = {}
 CACHES.append(_ENGINES)
 

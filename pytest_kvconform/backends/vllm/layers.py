@@ -170,29 +170,31 @@ def build_engine_specs(
     return EngineSpecs(config, dict(specs), choice, backends, worker)
 
 
-def rerun_hooks(
-    scenario: Scenario, platform: type, make_worker: Callable[[Any, str], Any] | None = None
-) -> dict[str, list[HookChange]]:
+def rerun_hooks(engine: EngineSpecs, scenario: Scenario) -> dict[str, list[HookChange]]:
     """What each config hook changes when it runs a second time on an engine it already
     configured: ``check_and_update_config`` on the built config, ``update_block_size_for_backend``
     after the model's layers exist. Both must change nothing (vllm-gaudi#1708: re-running the
     first rescaled Granite-4.0-H-small's padded Mamba page from 2,162,688 B to 2,621,440 B).
-    Call inside ``platform_scope(platform)``."""
+
+    The hooks run on a copy of ``engine``'s config (the built layers shared, not copied: they
+    hold vLLM parameters that do not deep-copy), so the engine keeps planning with what its
+    build configured. Call inside ``platform_scope(platform)``."""
+    import copy
+
     from vllm.config import set_current_vllm_config
     from vllm.platforms import current_platform
 
-    engine = build_engine_specs(scenario, platform, make_worker)
+    layers = engine.config.compilation_config.static_forward_context
+    config = copy.deepcopy(engine.config, {id(layer): layer for layer in layers.values()})
     platform_cls = type(current_platform)
     changes = {}
     rt = scenario.runtime
     groups = parallel_groups(rt.tensor_parallel_size, rt.decode_context_parallel_size)
-    with LOCK, set_current_vllm_config(engine.config), groups:
+    with LOCK, set_current_vllm_config(config), groups:
         for hook in ("update_block_size_for_backend", "check_and_update_config"):
-            before = snapshot(engine.config)
-            getattr(platform_cls, hook)(engine.config)
-            changes[hook] = diff(
-                f"{platform.__qualname__}.{hook} (second run)", before, snapshot(engine.config)
-            )
+            before = snapshot(config)
+            getattr(platform_cls, hook)(config)
+            changes[hook] = diff(f"{platform_cls.__qualname__}.{hook} (second run)", before, snapshot(config))
     return changes
 
 

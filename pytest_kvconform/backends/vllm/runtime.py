@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import importlib
 import os
 import sys
@@ -142,6 +143,10 @@ def _import_vllm() -> VllmRuntime:
             if name not in functions and callable(getattr(module, name, None)):
                 functions[name] = getattr(module, name)
                 locations[name] = module_name
+    # vLLM's modules, torch and the model classes live as long as the process: keep the collector
+    # from walking them again at every full collection (vLLM's EngineCore freezes its heap after
+    # startup the same way, vllm/utils/gc_utils.py freeze_gc_heap, 0.32)
+    gc.freeze()
     return VllmRuntime(
         version=str(vllm.__version__), torch=torch, kv_cache_interface=kv_cache_interface,
         functions=functions, locations=locations, planning=importlib.import_module(f"{__package__}.api"),
