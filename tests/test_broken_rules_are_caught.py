@@ -239,16 +239,18 @@ def test_an_mla_pool_that_cannot_hold_max_model_len_fails(pytester: pytest.Pytes
     result.stdout.fnmatch_lines(["*B buy * blocks of 64 tokens: * < 131072 tokens*"])
 
 
-def test_mla_latents_are_really_read_back(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The MLA check itself: a latent pool of 16 blocks of 64 for 1000 tokens reads back through the
-    block table; a slot mapping that ignores the block table (token i to slot i) does not."""
+@pytest.mark.parametrize("name", ["glm-4.7-flash-bf16", "qwen3.5-4b"])  # MLA latents; GQA K and V
+def test_pool_tokens_are_really_read_back(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """The read-back itself: a pool of 16 blocks of 64 for 1000 tokens reads back through the
+    block table; a slot mapping that ignores the block table (token i to slot i) does not, nor
+    one that drops the last token (the attention check alone cannot see one token of 262,144)."""
     mx = pytest.importorskip("mlx.core")
     from pytest_kvconform.scenario import load_scenario
-    from pytest_kvconform.suites.test_kvconform_allocation import _latents_read_back
+    from pytest_kvconform.suites.test_kvconform_allocation import _write_and_read_back
 
-    s = load_scenario("glm-4.7-flash-bf16").with_runtime(max_model_len=1000)
-    assert s.model is not None and s.model.attention is not None and s.model.attention.kind == "mla"
-    _latents_read_back(s, 16, 64)
+    s = load_scenario(name).with_runtime(max_model_len=1000)
+    assert s.model is not None and s.model.attention is not None
+    _write_and_read_back(s, 16, 64)
     # the module the check imports from (pytester runs may have replaced the package's attribute)
     metal_runtime = importlib.import_module("pytest_kvconform.metal_runtime")
     write = metal_runtime.reshape_and_cache
@@ -256,9 +258,13 @@ def test_mla_latents_are_really_read_back(monkeypatch: pytest.MonkeyPatch) -> No
     def ignores_the_table(key, value, key_cache, value_cache, slots):
         return write(key, value, key_cache, value_cache, mx.arange(slots.shape[0]))
 
-    monkeypatch.setattr(metal_runtime, "reshape_and_cache", ignores_the_table)
-    with pytest.raises(AssertionError, match="do not read back through the block table"):
-        _latents_read_back(s, 16, 64)
+    def drops_the_last_token(key, value, key_cache, value_cache, slots):
+        return write(key, value, key_cache, value_cache, mx.concatenate([slots[:-1], mx.array([-1])]))
+
+    for broken in (ignores_the_table, drops_the_last_token):
+        monkeypatch.setattr(metal_runtime, "reshape_and_cache", broken)
+        with pytest.raises(AssertionError, match="K of 1000 tokens does not read back"):
+            _write_and_read_back(s, 16, 64)
 
 
 @pytest.mark.parametrize(

@@ -59,11 +59,6 @@ def test_one_sequence_pool_holds_max_model_len(kv_backend: Any, kv_scenario: Sce
     K and V (for MLA, its one latent) written through the slot mapping read back unchanged
     through the block table, and paged attention over them equals the dense oracle (not for MLA:
     the runtime has no MLA attention kernel)."""
-    import mlx.core as mx
-    import numpy as np
-
-    from pytest_kvconform.metal_runtime import reshape_and_cache
-
     model = kv_scenario.model
     if model is None or model.attention is None:
         pytest.skip("needs a model-level scenario with attention layers")
@@ -73,12 +68,28 @@ def test_one_sequence_pool_holds_max_model_len(kv_backend: Any, kv_scenario: Sce
     assert num_blocks * block >= length, (
         f"{one_sequence} B buy {num_blocks} blocks of {block} tokens: {num_blocks * block} < {length} tokens"
     )
+    cache_k, cache_v, table, keys, values = _write_and_read_back(kv_scenario, num_blocks, block)
+    if model.attention.kind != "mla":
+        _attention_matches_dense(model.dtype, cache_k, cache_v, table, keys, values)
+
+
+def _write_and_read_back(scenario: Scenario, num_blocks: int, block: int) -> tuple[Any, ...]:
+    """Every token's K and V (for MLA its one latent, no separate V) written through the slot
+    mapping into a pool of ``num_blocks`` blocks, then read back through the block table: each
+    must come back unchanged and in order. Returns (K cache, V cache, block table, K, V), the
+    rows as exact float32."""
+    import mlx.core as mx
+    import numpy as np
+
+    from pytest_kvconform.metal_runtime import reshape_and_cache
+
+    model, length = scenario.model, scenario.runtime.max_model_len
+    assert model is not None and model.attention is not None
     dtype = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}[model.dtype]
-    mla = model.attention.kind == "mla"
     table, slots = _sequence_layout(num_blocks, block, length)
     rng = np.random.default_rng(0)
     keys = _token_rows(rng, length)
-    values = keys if mla else _token_rows(rng, length)
+    values = keys if model.attention.kind == "mla" else _token_rows(rng, length)
     empty = mx.zeros((num_blocks, block, 1, _ROW_WIDTH), dtype=dtype)
     cache_k, cache_v = reshape_and_cache(keys.astype(dtype), values.astype(dtype), empty, empty, slots)
     for name, cache, rows in (("K", cache_k, keys), ("V", cache_v, values)):
@@ -86,8 +97,7 @@ def test_one_sequence_pool_holds_max_model_len(kv_backend: Any, kv_scenario: Sce
         assert mx.array_equal(read.astype(mx.float32), rows).item(), (
             f"{name} of {length} tokens does not read back through the block table {table[:4]}..."
         )
-    if not mla:
-        _attention_matches_dense(model.dtype, cache_k, cache_v, table, keys, values)
+    return cache_k, cache_v, table, keys, values
 
 
 def _sequence_layout(num_blocks: int, block: int, length: int) -> tuple[list[int], Any]:
