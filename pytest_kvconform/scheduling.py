@@ -24,12 +24,9 @@ def scenario_scope(nodeid: str, scenario_ids: Iterable[str]) -> str:
     scenario id (``test_plan[gemma-4-31b-it]``, ``test_hook[qwen3.5-4b-check_and_update_config]``;
     the longest id wins, so ``-with-draft`` twins stay apart), else the test's own node id."""
     _, bracket, params = nodeid.partition("[")
-    if bracket:
-        params = params.removesuffix("]")
-        for sid in sorted(scenario_ids, key=len, reverse=True):
-            if params == sid or params.startswith(sid + "-"):
-                return f"kvconform-scenario:{sid}"
-    return nodeid
+    params = params.removesuffix("]")
+    starts = [sid for sid in scenario_ids if params == sid or params.startswith(sid + "-")] if bracket else []
+    return f"kvconform-scenario:{max(starts, key=len)}" if starts else nodeid
 
 
 class ScenarioScheduling(LoadScopeScheduling):
@@ -37,7 +34,7 @@ class ScenarioScheduling(LoadScopeScheduling):
 
     def __init__(self, config: Any, log: Any = None, *, scenario_ids: Iterable[str]) -> None:
         super().__init__(config, log)
-        self._scenario_ids = sorted(scenario_ids, key=len, reverse=True)
+        self._scenario_ids = tuple(scenario_ids)
 
     def _split_scope(self, nodeid: str) -> str:
         return scenario_scope(nodeid, self._scenario_ids)
