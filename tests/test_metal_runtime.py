@@ -292,12 +292,13 @@ def test_batched_decode_of_ragged_lengths_matches_dense(dtype: str, window: int)
     case.check(sliding_window=window)
 
 
+@pytest.mark.parametrize("block_size", [8, 16])
 @pytest.mark.parametrize("window", [-1, 5])
-def test_decode_ignores_unwritten_slots_of_attended_blocks(window: int) -> None:
+def test_decode_ignores_unwritten_slots_of_attended_blocks(window: int, block_size: int) -> None:
     """The decode path copies whole blocks: slots outside ``[lo, seq_len)`` (the tail of the last
     block, the head of the first under a window, spare blocks) may hold anything, NaN and inf
     included, and never reach the output."""
-    case = Case([37, 64, 20, 9, 33], [1, 1, 1, 1, 1], block_size=16, seed=18)
+    case = Case([37, 64, 20, 9, 33], [1, 1, 1, 1, 1], block_size=block_size, seed=18)
     bs = case.block_size
     written = np.zeros(case.num_blocks * bs, dtype=bool)
     for s, n in enumerate(case.seq_lens):
@@ -312,6 +313,22 @@ def test_batched_decode_with_sinks_and_gqa_matches_dense() -> None:
     seq_lens = [int(n) for n in np.random.default_rng(15).integers(1, 300, size=12)]
     case = Case(seq_lens, [1] * 12, hq=8, hkv=2, block_size=32, seed=15)
     case.check(sinks=mx.array(np.linspace(-1.0, 2.0, 8).astype(np.float32)))
+
+
+@pytest.mark.parametrize(
+    ("hkv", "d", "dtype"),
+    [
+        (4, 128, "float32"),  # 2 KiB of keys a token: four 512 B pieces and a spare one
+        (8, 128, "bfloat16"),  # the same in bf16: 256-element pieces
+        (2, 96, "float32"),  # 768 B: three 256 B pieces, no spare
+        (1, 24, "float16"),  # 48 B: too small to split, whole token rows
+    ],
+)
+def test_decode_key_rows_in_pieces_match_dense(hkv: int, d: int, dtype: str) -> None:
+    """The decode path copies each token's keys in pieces of at most 512 B, with a spare piece
+    when a token's keys fill a multiple of 2 KiB; the scores see exactly the token's keys."""
+    case = Case([70, 61, 53], [1, 1, 1], hq=2 * hkv, hkv=hkv, d=d, block_size=8, dtype=dtype, seed=21)
+    case.check()
 
 
 def test_batched_prefill_rows_of_similar_shape_match_dense() -> None:

@@ -15,9 +15,9 @@ batch). The compute is fp32 with contiguous GQA grouping (query head ``h`` uses 
 ``h // (Hq // Hkv)``) on MLX's BLAS matmuls.
 
 * Decode batches (one query row per sequence, :func:`_attend_decode`): one ``take`` copies the
-  whole blocks covering each sequence's attended range (contiguous slices, copy speed) and one 3-D
-  transpose makes ``[Hkv, D, 8]`` key tiles, so ``Q.K^T`` runs per tile in BLAS's axpy form
-  (1.5-2x as fast on the CPU's reference BLAS as the dot form of ``q @ K^T``, which dense
+  tokens of the whole blocks covering each sequence's attended range in 512 B pieces (copy speed)
+  and one 3-D transpose makes ``[Hkv, D, 16]`` key tiles, so ``Q.K^T`` runs per tile in BLAS's
+  axpy form (twice as fast on the CPU's reference BLAS as the dot form of ``q @ K^T``, which dense
   SDPA uses). Keys outside ``[lo, seq_len)`` are masked, so unwritten slots never matter. V is
   gathered head-major (``[n, Hkv, L, D]``) by one ``take`` from the flat ``[NB*BS*Hkv, D]`` view.
 * Other batches (prefill rows, :func:`_attend_group`): one ``take`` per cache gathers exactly the
@@ -30,6 +30,7 @@ The sink is a denominator-only logit and the denominator carries the kernel's ``
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -270,7 +271,7 @@ def _groups(
 
     Each batch takes the longest remaining sequence (query rows first, then keys) and every other
     one whose rows and keys lie in ``[_PAD_FRACTION * max, max]``, at most as many as keep the
-    batch's K (twice: the decode path's blocks and tiles), V and scores
+    batch's K (twice: the decode path's copied rows and tiles), V and scores
     (``L * 4 * (3 * Hkv * D + Hq * R)`` bytes a sequence) within ``_BATCH_BYTES``. Equal shapes
     keep their order, so a uniform decode step is one batch in packed order.
     """
@@ -355,9 +356,39 @@ def _attend_group(
     return out.reshape(n * r_max, hq, d), token_rows.reshape(-1)
 
 
-#: Token tile of the decode path's transposed keys: one ``[D, 8]`` tile per (8 tokens, KV head).
-#: Every kernel block size is a multiple of it, so tiles never straddle blocks.
-_KEY_TILE = 8
+#: Token tile of the decode path's transposed keys: one ``[D, 16]`` tile per (16 tokens, KV head).
+#: ``q @ tile`` costs 27.5 ms for the benchmark's step at 16 tokens, 34.7 at 8 (one BLAS call per
+#: tile); 32 gains 1 ms more and costs 5 ms more to transpose.
+_KEY_TILE = 16
+#: Largest piece the key copy hands to one ``memcpy``. glibc copies 4 KiB and more with ``rep
+#: movsb``, which on the AMD EPYC measured here runs 3.7x slower when the destination lies 16 bytes
+#: past the source modulo 4 KiB (24 against 6.5 ms for the benchmark's 64 MiB of keys); MLX's heap
+#: addresses decide that, so a take of whole blocks was fast or slow by chance. Pieces of 512 B
+#: cost the same as whole blocks without the penalty (1-2 KiB pieces cost twice as much).
+_COPY_PIECE_BYTES = 512
+
+
+def _gather_key_rows(cache: mx.array, blocks: np.ndarray) -> tuple[mx.array, int]:
+    """The tokens of ``cache[blocks]`` as rows ``[len(blocks) * BS, W]`` whose first ``Hkv*D``
+    columns are the token's keys; returns the rows and ``W``.
+
+    Copied in pieces of at most ``_COPY_PIECE_BYTES``. A token's ``Hkv*D`` keys that fill a
+    multiple of 2 KiB get one spare piece (``W > Hkv*D``): the tile transpose reads 16 rows at
+    once, and rows a multiple of 4 KiB apart share one set of the L1 cache (16 rows at 4 KiB: 25
+    against 9 ms to transpose the benchmark's keys; with the spare piece, 9 ms).
+    """
+    nb, bs, hkv, d = cache.shape
+    row, size = hkv * d, cache.dtype.size
+    piece = math.gcd(row, _COPY_PIECE_BYTES // size)
+    if piece * size < _COPY_PIECE_BYTES // 4:  # odd head sizes: whole token rows
+        piece = row
+    per = row // piece
+    spare = 1 if piece < row and (row * size) % 2048 == 0 else 0
+    tokens = (blocks[:, None] * bs + np.arange(bs)[None, :]).reshape(-1)
+    idx = tokens[:, None] * per + np.arange(per + spare)[None, :] % per
+    idx_mx = mx.array(idx.reshape(-1).astype(np.int32 if nb * bs * per < 2**31 else np.int64))
+    rows = mx.take(cache.reshape(nb * bs * per, piece), idx_mx, axis=0)
+    return rows.reshape(tokens.shape[0], (per + spare) * piece), (per + spare) * piece
 
 
 def _attend_decode(
@@ -375,9 +406,9 @@ def _attend_decode(
 ) -> mx.array:
     """Attention for ``n`` decode rows (one query row per sequence); returns ``[n, Hq, D]`` float32.
 
-    The scores come from key tiles: one ``take`` copies the whole blocks that cover each
-    sequence's attended range ``[lo, seq_len)`` (contiguous ``BS*Hkv*D`` slices, as fast as a plain
-    copy), and one 3-D transpose turns each run of ``_KEY_TILE`` tokens into ``[Hkv, D, tile]``.
+    The scores come from key tiles: one ``take`` copies the tokens of the whole blocks that cover
+    each sequence's attended range ``[lo, seq_len)`` (:func:`_gather_key_rows`, at plain copy
+    speed), and one 3-D transpose turns each run of ``_KEY_TILE`` tokens into ``[Hkv, D, tile]``.
     Then ``q [n,1,Hkv,G,D] @ K_tile [n,nt,Hkv,D,tile]`` runs in BLAS's axpy form (a long
     independent inner loop over the tile's tokens) instead of the dot form of ``q @ K^T``, whose
     single accumulation chain per score makes it 1.5-2x as slow on the CPU's reference
@@ -394,13 +425,14 @@ def _attend_decode(
     g_lens, g_lo = lens[group], lo[group]
     first = g_lo // bs  # first block of each sequence
     count = -(-g_lens // bs) - first  # blocks covering [lo, seq_len)
-    nblk = int(count.max())
+    step = math.lcm(bs, _KEY_TILE) // bs  # whole tiles: round the block count up to it
+    nblk = -(-int(count.max()) // step) * step
     l_max = nblk * bs
     k_idx = first[:, None] + np.minimum(np.arange(nblk)[None, :], count[:, None] - 1)
     blocks = table[group[:, None], k_idx].reshape(-1)  # [n*nblk], padding repeats the last block
-    kb = mx.take(key_cache, mx.array(blocks.astype(np.int32)), axis=0)  # [n*nblk, BS, Hkv, D]
-    tiles = kb.reshape(n * l_max // _KEY_TILE, _KEY_TILE, hkv * d).swapaxes(1, 2)
-    kt = mx.contiguous(tiles) if kb.dtype == mx.float32 else tiles.astype(mx.float32)
+    kr, width = _gather_key_rows(key_cache, blocks)  # [n*L, W]
+    tiles = kr.reshape(n * l_max // _KEY_TILE, _KEY_TILE, width)[:, :, : hkv * d].swapaxes(1, 2)
+    kt = mx.contiguous(tiles) if kr.dtype == mx.float32 else tiles.astype(mx.float32)
     kt = kt.reshape(n, l_max // _KEY_TILE, hkv, d, _KEY_TILE)
 
     q_rows = cu[group]  # the packed row of each sequence's query
