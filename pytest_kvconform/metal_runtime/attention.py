@@ -271,9 +271,10 @@ def _groups(
 
     Each batch takes the longest remaining sequence (query rows first, then keys) and every other
     one whose rows and keys lie in ``[_PAD_FRACTION * max, max]``, at most as many as keep the
-    batch's K (twice: the decode path's copied rows and tiles), V and scores
-    (``L * 4 * (3 * Hkv * D + Hq * R)`` bytes a sequence) within ``_BATCH_BYTES``. Equal shapes
-    keep their order, so a uniform decode step is one batch in packed order.
+    batch's K (twice: the decode path's copied rows, a spare piece adding at most a quarter, and
+    tiles), V and scores (``L * 4 * (3.25 * Hkv * D + Hq * R)`` bytes a sequence) within
+    ``_BATCH_BYTES``. Equal shapes keep their order, so a uniform decode step is one batch in
+    packed order.
     """
     q, kv = q_lens[active], kv_lens[active]
     rest = active[np.lexsort((-kv, -q))]  # stable
@@ -282,7 +283,7 @@ def _groups(
         r_max, l_max = int(q_lens[rest[0]]), int(kv_lens[rest[0]])
         rq, rkv = q_lens[rest], kv_lens[rest]
         fits = (rq <= r_max) & (rq >= _PAD_FRACTION * r_max) & (rkv <= l_max) & (rkv >= _PAD_FRACTION * l_max)
-        per_seq = l_max * 4 * (3 * kv_row_floats + num_heads * r_max)
+        per_seq = l_max * (13 * kv_row_floats + 4 * num_heads * r_max)
         chosen = rest[fits]
         step = max(1, _BATCH_BYTES // per_seq)
         groups.extend(chosen[i : i + step] for i in range(0, chosen.size, step))
