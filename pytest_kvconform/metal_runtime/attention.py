@@ -238,6 +238,11 @@ def paged_attention(
     return out.astype(query.dtype)
 
 
+def _row_indices(idx: np.ndarray, num_rows: int) -> mx.array:
+    """``idx`` flattened as ``take`` indices into ``num_rows`` rows: int32 where they fit."""
+    return mx.array(idx.reshape(-1).astype(np.int32 if num_rows < 2**31 else np.int64))
+
+
 def _validate_table(table: np.ndarray, lens: np.ndarray, block_size: int, nb: int) -> None:
     """Every sequence's used block-table entries exist and lie in ``[0, nb)`` (first offender raises)."""
     need = -(-lens // block_size)
@@ -328,7 +333,7 @@ def _attend_group(
     blocks = table[group[:, None], pos // block_size]
     rows = (blocks * block_size + pos % block_size) * hkv  # flat row of head 0
     idx = rows[:, None, :] + np.arange(hkv)[None, :, None]  # [n, Hkv, L]
-    idx_mx = mx.array(idx.reshape(-1).astype(np.int32 if flat_k.shape[0] < 2**31 else np.int64))
+    idx_mx = _row_indices(idx, flat_k.shape[0])
     k = mx.take(flat_k, idx_mx, axis=0).reshape(n, hkv, 1, l_max, d)
     v = mx.take(flat_v, idx_mx, axis=0).reshape(n, hkv, 1, l_max, d)
     if k.dtype != mx.float32:
@@ -387,7 +392,7 @@ def _gather_key_rows(cache: mx.array, blocks: np.ndarray) -> tuple[mx.array, int
     spare = 1 if piece < row and (row * size) % 2048 == 0 else 0
     tokens = (blocks[:, None] * bs + np.arange(bs)[None, :]).reshape(-1)
     idx = tokens[:, None] * per + np.arange(per + spare)[None, :] % per
-    idx_mx = mx.array(idx.reshape(-1).astype(np.int32 if nb * bs * per < 2**31 else np.int64))
+    idx_mx = _row_indices(idx, nb * bs * per)
     rows = mx.take(cache.reshape(nb * bs * per, piece), idx_mx, axis=0)
     return rows.reshape(tokens.shape[0], (per + spare) * piece), (per + spare) * piece
 
@@ -456,7 +461,7 @@ def _attend_decode(
     pos = np.clip(start[:, None] + np.arange(l_max)[None, :], g_lo[:, None], g_lens[:, None] - 1)  # [n, L]
     rows = (table[group[:, None], pos // bs] * bs + pos % bs) * hkv
     idx = rows[:, None, :] + np.arange(hkv)[None, :, None]  # [n, Hkv, L]
-    idx_mx = mx.array(idx.reshape(-1).astype(np.int32 if flat_v.shape[0] < 2**31 else np.int64))
+    idx_mx = _row_indices(idx, flat_v.shape[0])
     v = mx.take(flat_v, idx_mx, axis=0).reshape(n, hkv, l_max, d)
     if v.dtype != mx.float32:
         v = v.astype(mx.float32)
