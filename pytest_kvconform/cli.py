@@ -88,20 +88,21 @@ def _backend(args: argparse.Namespace) -> Any:
 
 
 def _plan(backend: Any, scenario: Any, method: str = "plan") -> Any:
-    """``backend.plan`` (or ``method``) under the exception contract: a rejection propagates
-    (exit 1), anything else becomes a one-line :class:`CliError`."""
-    from .errors import REJECTIONS, RuleNotApplicable
+    """``backend.plan`` (or ``method``) under the exception contract: a rejection (a refusal of a
+    :data:`~pytest_kvconform.rejections.KINDS` kind) propagates (exit 1); an offline gap or
+    anything else raised is a one-line :class:`CliError` (exit 2)."""
+    from .gaps import OfflineGap
+    from .rejections import rejection_kind
+    from .verdict import summary
 
     try:
         return getattr(backend, method)(scenario=scenario)
-    except RuleNotApplicable as exc:
-        raise CliError(f"backend {backend.name!r} cannot answer {scenario.name!r}: {exc}") from None
-    except REJECTIONS:
-        raise
+    except OfflineGap as exc:
+        raise CliError(f"backend {backend.name!r} cannot run {scenario.name!r} here: {exc}") from None
     except Exception as exc:
-        raise CliError(
-            f"backend {backend.name!r} raised on {scenario.name!r}: {type(exc).__name__}: {exc}"
-        ) from None
+        if rejection_kind(exc) is not None:
+            raise
+        raise CliError(f"backend {backend.name!r} raised on {scenario.name!r}: {summary(exc)}") from None
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -187,12 +188,14 @@ def _scenarios(items: Sequence[str]) -> list[Any]:
 
 
 def _departure_line(record: dict[str, Any]) -> str:
-    """One line per non-passing record: outcome, scenario, rule, then the first differing field
-    with both values, or the message (skip or xfail reason, failure)."""
+    """One line per record that did not agree: its verdict, scenario, rule, then the first
+    differing field with both values, or the message (the reason, the crash)."""
     diff = record["difference"]
     what = (f"{diff['field']}: reference {diff['reference']}, backend {diff['backend']}"
             if diff and record["outcome"] == "failed" else record["message"])  # fmt: skip
-    return f"{record['outcome'].upper():<9} {record['scenario']} [{record['rule']}] {what}"
+    verdict = record["verdict"] + (" (failed)" if record["outcome"] == "failed" and record["verdict"] not in (
+        "departed", "crashed") else "")  # fmt: skip
+    return f"{verdict.upper():<9} {record['scenario']} [{record['rule']}] {what}"
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -201,22 +204,25 @@ def cmd_check(args: argparse.Namespace) -> int:
     from .conformance import load_xfails
     from .report import format_matrix, matrix_of, report_document, write_report
 
+    from .provenance import is_oracle
+
     scenarios = _scenarios(args.scenarios)
     backend, reference, (release, selected_by) = _judged(args)
-    xfails: dict[str, str] = {}
+    xfails: list[Any] = []
     if args.xfails:
         try:
             xfails = load_xfails(Path(args.xfails), backend.name)
         except ValueError as exc:
             raise CliError(f"--xfails: {exc}") from None
-    records = run_checks(backend, reference, scenarios, xfails)
+    records = run_checks(backend, reference, scenarios, xfails, strict=args.strict)
     try:
         options = parse_options(args.backend_options)
     except BackendError as exc:  # already resolved above; kept for the type checker
         raise CliError(str(exc)) from None
     document = report_document(
-        backend, matrix_of(records), records=records, options=options, producer="kvconform check",
+        backend, records, options=options, producer="kvconform check",
         reference={"vllm_release": release.release, "selected_by": selected_by},
+        mode="self-check" if is_oracle(backend) else "conformance",
     )  # fmt: skip
     if args.report:
         try:
@@ -228,7 +234,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         print(json.dumps(document, indent=2, sort_keys=True))
     else:
         for record in records:
-            if record["outcome"] != "passed":
+            if record["verdict"] != "agreed":
                 print(_departure_line(record))
         print("\n".join(format_matrix(matrix_of(records))))
         print(f"kvconform check: backend {backend.name} ({backend.version}), {len(scenarios)} scenarios, "
@@ -239,14 +245,19 @@ def cmd_check(args: argparse.Namespace) -> int:
 def _trace(rules: Any, scenario: Any) -> Any:
     """The trace of ``rules``'s plan of ``scenario``; a rejection propagates (exit 1), anything else
     is a one-line :class:`CliError`."""
-    from .errors import REJECTIONS, RuleError, RuleNotApplicable
+    from .errors import RuleError
+    from .gaps import OfflineGap
+    from .rejections import rejection_kind
+    from .verdict import summary
 
     try:
         return rules.trace(scenario)
-    except REJECTIONS:
-        raise
-    except (RuleError, RuleNotApplicable) as exc:
+    except (RuleError, OfflineGap) as exc:
         raise CliError(str(exc)) from None
+    except Exception as exc:
+        if rejection_kind(exc) is not None:
+            raise
+        raise CliError(f"{summary(exc)}") from None
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
@@ -436,7 +447,9 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="print the report document (kvconform-report/1)")
     p.add_argument("--report", metavar="PATH", help="also write the report: PATH.json, else Markdown")
-    p.add_argument("--xfails", metavar="PATH", help="TOML file of known failures, as --kvconform-xfails")
+    p.add_argument("--xfails", metavar="PATH", help="TOML file of known departures, as --kvconform-xfails")
+    p.add_argument("--strict", action="store_true",
+                   help="fail an inherited check of a family the backend does not declare, as --kvconform-strict")
     _add_backend_args(p)
     p.set_defaults(run=cmd_check)
     p = sub.add_parser("explain", help="the derivation of one scenario, step by step")

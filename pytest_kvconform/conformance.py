@@ -1,7 +1,11 @@
 """Running rules on a backend and comparing them with the reference.
 
 Used by the shipped suites and by downstream repos (``check_scenario``) that want the same
-checks on their own scenario files.
+checks on their own scenario files. Every call of a backend goes through :func:`ask`, which
+records who answered (:mod:`pytest_kvconform.provenance`) and turns what the backend raised into
+how the test ends (:mod:`pytest_kvconform.verdict`): a declared decline or an offline gap is
+:class:`~pytest_kvconform.verdict.Declined`, a rejection is an answer compared by kind
+(:mod:`pytest_kvconform.rejections`), anything else is :class:`~pytest_kvconform.verdict.Crashed`.
 """
 
 from __future__ import annotations
@@ -12,114 +16,203 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from . import provenance
 from .backends.base import METHOD_FAMILY, RULE_FAMILIES, ReferenceBackend
-from .errors import REJECTIONS, RuleError, RuleNotApplicable
+from .errors import RuleError
+from .gaps import OfflineGap
+from .reference.releases import LATEST
 from .reference.specs import MambaSpec
+from .rejections import rejection_kind
+from .requirements import INPUT_KINDS, KnownDeparture
 from .scenario import Scenario, load_scenario
+from .verdict import Crashed, Declined, Departure, NotApplicable, summary
 
 __all__ = [
-    "REJECTIONS",
     "RULE_FAMILIES",
+    "Declined",
     "Departure",
     "Difference",
-    "RuleNotApplicable",
+    "NotApplicable",
+    "ask",
     "assert_same",
     "assert_same_layers",
+    "assert_same_outcome",
     "call_rule",
     "check_scenario",
+    "declined_reason",
     "departure",
-    "discard",
     "first_difference",
-    "known_failure",
     "layer_spec_difference",
+    "load_xfails",
+    "message_view",
     "outcome",
-    "plan_with_trace",
-    "skip_if_not_provided",
+    "plan_outcome",
+    "plan_view",
+    "served",
 ]
 
 
-def discard(reason: str) -> None:
-    """Count one generated input the backend cannot model, then let hypothesis reject it."""
-    provenance.current().discarded[reason] += 1
+def declined_reason(backend: Any, rule: str, scenario: Scenario | None = None, method: str = "") -> str | None:
+    """Why ``backend`` declines ``rule`` (its ``method``, on ``scenario``), from its declared
+    ``declines``; None when it answers it. The reference never declines as the oracle."""
+    if provenance.is_oracle(backend):
+        return None
+    declines = getattr(backend, "declines", None)
+    return declines.reason(rule, scenario, method) if declines is not None else None
 
 
-def compared(*exercised: str) -> None:
-    """Count one generated input that reached the comparison, and the rules it exercised."""
-    ledger = provenance.current()
-    ledger.compared += 1
-    ledger.exercised.update(exercised)
-
-
-def skip_if_not_provided(backend: Any, rule: str) -> None:
-    """Skip the current test when ``backend`` does not provide ``rule`` (with its reason)."""
-    reason = getattr(backend, "not_provided", {}).get(rule)
+def decline_if_declared(backend: Any, rule: str, scenario: Scenario | None = None, method: str = "") -> None:
+    """End the test as declined when ``backend`` declares that it does not do ``rule`` here."""
+    reason = declined_reason(backend, rule, scenario, method)
     if reason is not None:
-        pytest.skip(f"backend {backend.name!r} does not provide rule {rule!r}: {reason}")
+        if not provenance.is_oracle(backend):
+            provenance.current().record(rule, method or rule, provenance.REFERENCE, reason)
+        raise Declined(f"[{rule}] backend {backend.name!r} {reason}")
 
 
-def _ask(backend: Any, method: str, *inputs: Any, scenario: Scenario | None) -> provenance.Answer:
-    """The backend's answer, recorded in the running test's ledger with who gave it; not provided
-    or not applicable skips."""
+def ask(backend: Any, method: str, *inputs: Any, scenario: Scenario | None = None) -> provenance.Answer:
+    """The backend's answer, recorded in the running test's ledger with who gave it. A declared
+    decline or an offline gap ends the test as declined; anything raised is kept in the answer."""
     rule = METHOD_FAMILY.get(method, method)
-    skip_if_not_provided(backend, rule)
-    if getattr(backend, method, None) is None:
-        pytest.skip(f"backend {backend.name!r} has no method {method!r} (rule {rule!r})")
+    decline_if_declared(backend, rule, scenario, method)
     answer = provenance.ask(backend, method, *inputs, scenario=scenario)
-    if isinstance(answer.error, RuleNotApplicable):
-        pytest.skip(f"[{rule}] backend {backend.name!r} cannot answer this input: {answer.error}")
-    if not provenance.is_oracle(backend):
+    oracle = provenance.is_oracle(backend)
+    if isinstance(answer.error, OfflineGap):
+        if not oracle:
+            provenance.current().record(rule, method, provenance.REFERENCE, str(answer.error), pid=answer.pid)
+        raise Declined(f"[{rule}] backend {backend.name!r} cannot run this here: {answer.error}")
+    if not oracle:
         provenance.current().record(rule, method, answer.by, pid=answer.pid)
     return answer
 
 
-def call_rule(backend: Any, method: str, *inputs: Any, scenario: Scenario | None = None) -> Any:
-    """``backend.<method>(*inputs, scenario=scenario)`` under the exception contract
-    (:mod:`pytest_kvconform.errors`): not provided or not applicable skips, anything raised
-    fails this test only, naming the rule, the method, the backend and the scenario. Who
-    answered is recorded (:mod:`pytest_kvconform.provenance`)."""
-    answer = _ask(backend, method, *inputs, scenario=scenario)
-    if answer.error is None:
-        return answer.value
-    exc = answer.error
-    where = f" on scenario {scenario.name!r} ({scenario.source})" if scenario is not None else ""
-    rule = METHOD_FAMILY.get(method, method)
-    pytest.fail(f"[{rule}] backend {backend.name!r}.{method} raised{where}: {type(exc).__name__}: {exc}",
-                pytrace=False)  # fmt: skip
+def _where(scenario: Scenario | None) -> str:
+    return f" on scenario {scenario.name!r} ({scenario.source})" if scenario is not None else ""
+
+
+def crash(rule: str, backend: Any, method: str, scenario: Scenario | None, error: BaseException) -> Crashed:
+    """The test's end when a call raised outside the contract: rule, backend, method, scenario,
+    the exception's one-line summary and where it was raised."""
+    name = getattr(backend, "name", type(backend).__name__)
+    return Crashed(f"[{rule}] backend {name!r}.{method} raised{_where(scenario)}: {summary(error)}", pytrace=False)
 
 
 def outcome(backend: Any, method: str, *inputs: Any, scenario: Scenario | None = None) -> tuple[str, Any]:
-    """``("ok", answer)`` or ``("rejects", exception type)``: a rejection (:data:`REJECTIONS`)
-    is an answer to compare with the reference's; not applicable skips."""
-    answer = _ask(backend, method, *inputs, scenario=scenario)
+    """``("ok", answer)`` or ``("rejects", kind)`` (:data:`~pytest_kvconform.rejections.KINDS`):
+    a rejection is an answer, compared by kind with the reference's. Anything else raised crashes
+    the test; the reference rejecting an input it does not model makes the test not applicable.
+    A backend's ``plan`` is composed step by step where it composes (:func:`plan_outcome`)."""
+    if method == "plan" and scenario is not None and not provenance.is_oracle(backend):
+        return plan_outcome(backend, scenario)
+    return _outcome(backend, method, ask(backend, method, *inputs, scenario=scenario), scenario)
+
+
+def _outcome(backend: Any, method: str, answer: provenance.Answer, scenario: Scenario | None) -> tuple[str, Any]:
     if answer.error is None:
         return ("ok", answer.value)
-    if isinstance(answer.error, REJECTIONS):
-        return ("rejects", type(answer.error).__name__)
-    raise answer.error
+    kind = rejection_kind(answer.error)
+    if kind is None:
+        raise crash(METHOD_FAMILY.get(method, method), backend, method, scenario, answer.error)
+    if kind == "not_modelled" and provenance.is_oracle(backend):
+        raise NotApplicable(f"the reference does not model this input: {answer.error}")
+    return ("rejects", kind)
 
 
-def plan_with_trace(backend: Any, scenario: Scenario, reference: Any) -> Any:
-    """The backend's plan under the exception contract. A backend that composes (its ``plan``
-    is the reference's composition) is composed here step by step, each step recorded in the
-    running test's ledger with who answered it; ``reference`` (the judged release's rules)
-    answers the steps it declines. A backend with a ``plan`` of its own answers it whole."""
+def call_rule(backend: Any, method: str, *inputs: Any, scenario: Scenario | None = None) -> Any:
+    """``backend.<method>(*inputs, scenario=scenario)``, where an answer is expected: a rejection
+    departs (field ``rejection``), anything else raised crashes the test."""
+    kind, value = outcome(backend, method, *inputs, scenario=scenario)
+    if kind == "ok":
+        return value
+    rule = METHOD_FAMILY.get(method, method)
+    assert_same(rule, backend, scenario, {method: "answers"}, {method: f"rejects: {value}"})
+
+
+def plan_outcome(backend: Any, scenario: Scenario, reference: Any = None) -> tuple[str, Any]:
+    """The backend's plan as :func:`outcome` gives it. A backend that composes (its ``plan`` is the
+    reference's composition) is composed here step by step, each step recorded in the running
+    test's ledger with who answered it; ``reference`` (default: the reference of the backend's
+    judged release) answers the steps it declines. A backend with a ``plan`` of its own answers
+    it whole."""
     from .reference.plan import compose_plan
+    from .reference.rules import reference_rules
 
-    skip_if_not_provided(backend, "plan")
+    decline_if_declared(backend, "plan", scenario)
     if not provenance.composes_plan(backend):
-        return call_rule(backend, "plan", scenario=scenario)
+        return _outcome(backend, "plan", ask(backend, "plan", scenario=scenario), scenario)
+    if reference is None:
+        reference = reference_rules(getattr(backend, "release", None) or LATEST)
     try:
-        return compose_plan(backend, scenario, reference)
-    except RuleNotApplicable as exc:
-        pytest.skip(f"[plan] backend {backend.name!r} cannot answer this input: {exc}")
+        return ("ok", compose_plan(backend, scenario, reference))
     except RuleError as exc:
-        message = str(exc)
-    except REJECTIONS as exc:
-        message = f"[plan] backend {backend.name!r} rejects {scenario.name!r}: {type(exc).__name__}: {exc}"
-    pytest.fail(message, pytrace=False)
+        raise crash(exc.family, backend, exc.method, scenario, exc.error) from None
+    except Exception as exc:
+        kind = rejection_kind(exc)
+        if kind is None:  # the reference's code, composing
+            raise crash("plan", backend, "plan", scenario, exc) from None
+        return ("rejects", kind)
+
+
+def numbers_apply(backend: Any, scenario: Scenario, reference: Any = None) -> None:
+    """Numbers a scenario states (its ``[expect]``, a regression's literals and golden) hold for
+    its ``kernel_block_alignment``. When the backend's attention kernel declares another and the
+    reference's plan at that alignment differs, they are not the backend's to meet: not
+    applicable, naming the field that moves."""
+    if provenance.is_oracle(backend):
+        return
+    alignment = call_rule(backend, "kernel_block_alignment", scenario=scenario)
+    stated = scenario.runtime.kernel_block_alignment
+    if alignment == stated:
+        return
+    from .reference.rules import reference_rules
+
+    rules = reference or reference_rules(getattr(backend, "release", None) or LATEST)
+    plans = [outcome(rules, "plan", scenario=s) for s in (scenario, scenario.with_runtime(kernel_block_alignment=alignment))]
+    views = [(kind, plan_view(value) if kind == "ok" else value) for kind, value in plans]
+    moved = first_difference(views[0], views[1])
+    if moved is not None:
+        raise NotApplicable(
+            f"the numbers {scenario.name!r} states are for kernel_block_alignment {stated}; backend "
+            f"{backend.name!r}'s attention kernel declares {alignment}, where the reference's plan moves "
+            f"({moved[0]}: {moved[1]!r} -> {moved[2]!r})"
+        )
+
+
+def served(backend: Any, scenario: Scenario) -> Scenario:
+    """``scenario`` as the backend serves it: at the kernel block alignment its attention kernel
+    declares (``kernel_block_alignment``), which the reference then plans at too. The scenario
+    file's alignment describes the hardware it was written for, not a plugin's."""
+    if provenance.is_oracle(backend):
+        return scenario
+    alignment = call_rule(backend, "kernel_block_alignment", scenario=scenario)
+    if alignment == scenario.runtime.kernel_block_alignment:
+        return scenario
+    return scenario.with_runtime(kernel_block_alignment=int(alignment))
+
+
+#: KVPlan fields that hold vLLM's words: compared by their kind and numbers, not their wording
+MESSAGE_FIELDS = ("admission", "auto_fit_message")
+_NUMBER = re.compile(r"\d+(?:\.\d+)?")
+
+
+def message_view(text: str) -> str:
+    """A message as the comparison sees it: ``ok`` (or empty), else its rejection kind and the
+    numbers in it. The device a plugin names ("1.0 GiB CPU", "GiB GPU") or a reworded sentence
+    is not sizing; the decision and the numbers are."""
+    if text in ("", "ok"):
+        return text
+    kind = rejection_kind(ValueError(text)) or "message"
+    return f"{kind}: {' '.join(_NUMBER.findall(text))}"
+
+
+def plan_view(plan: Any) -> dict[str, Any]:
+    """A plan (a ``KVPlan`` or its ``to_dict()``) as compared: :data:`MESSAGE_FIELDS` by
+    :func:`message_view`, the rest as they are."""
+    d = dict(plan.to_dict() if hasattr(plan, "to_dict") else plan)
+    for name in MESSAGE_FIELDS:
+        if isinstance(d.get(name), str):
+            d[name] = message_view(d[name])
+    return d
 
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
@@ -187,23 +280,6 @@ def departure(rule: str, backend: Any, scenario: Scenario | None, expected: Any,
     return f"[{rule}] backend {backend.name!r}{where}: {diff[0]}: reference {diff[1]!r}, backend {diff[2]!r}"
 
 
-class Departure(pytest.fail.Exception):  # type: ignore[misc,name-defined]
-    """A test failure that is a departure from the reference: :func:`departure`'s line, plus the
-    rule, the first differing field and both values (the report records them)."""
-
-    __module__ = "builtins"  # shown as ``Departure: [rule] ...``, as pytest shows ``Failed: ...``
-
-    def __init__(
-        self, message: str, rule: str, field: str, reference: Any, backend: Any, pytrace: bool = True
-    ) -> None:
-        super().__init__(message, pytrace=pytrace)
-        self.rule, self.field, self.reference, self.backend = rule, field, reference, backend
-
-    def to_dict(self) -> dict[str, str]:
-        """JSON-serialisable (it travels as a user property under xdist): the values as ``repr``."""
-        return {"field": self.field, "reference": repr(self.reference), "backend": repr(self.backend)}
-
-
 def assert_same(rule: str, backend: Any, scenario: Scenario | None, expected: Any, got: Any) -> None:
     """Fail the test with :func:`departure`'s line (as a :class:`Departure`) when ``got`` departs
     from ``expected``."""
@@ -212,6 +288,26 @@ def assert_same(rule: str, backend: Any, scenario: Scenario | None, expected: An
     if message is not None:
         field, want, have = first_difference(expected, got)  # type: ignore[misc]
         raise Departure(message, rule, field, want, have)
+
+
+def assert_same_outcome(
+    rule: str,
+    backend: Any,
+    scenario: Scenario | None,
+    key: str,
+    expected: tuple[str, Any],
+    got: tuple[str, Any],
+    view: Any = None,
+) -> None:
+    """Compare two :func:`outcome` answers: when either rejects, ``key`` is ``rejects: <kind>``
+    or ``answers`` on each side; when both answer, their values (through ``view``, if given)."""
+    __tracebackhide__ = True
+    if expected[0] != "ok" or got[0] != "ok":
+        shown = ({key: f"rejects: {a[1]}" if a[0] != "ok" else "answers"} for a in (expected, got))
+        assert_same(rule, backend, scenario, *shown)
+        return
+    want, have = (view(a[1]) if view is not None else a[1] for a in (expected, got))
+    assert_same(rule, backend, scenario, {key: want} if view is None else want, {key: have} if view is None else have)
 
 
 def _fields(value: Any) -> dict[str, Any]:
@@ -266,39 +362,20 @@ def assert_same_layers(
         raise Departure(message, "layer_specs", *diff)
 
 
-def known_failure(backend: Any, item: pytest.Item, extra: Mapping[str, str] | None = None) -> str | None:
-    """The reason a test is a known failure of ``backend``: its ``known_failures`` data, plus
-    ``extra`` entries (``--kvconform-xfails`` files).
-
-    Keys are ``"<rule>::<test name>"`` where ``*`` in the name matches anything and every other
-    character is literal (so ``[`` of a parametrize id needs no escaping), e.g.
-    ``"plan::test_plan[glm-5-fp8-ds-mla]"`` or ``"hybrid_alignment::*glm-5*"``.
-    """
-    rule_marker = item.get_closest_marker("kvconform_rule")
-    rule = rule_marker.args[0] if rule_marker is not None else ""
-    return known_failure_of(backend, rule, item.name, extra)
+#: the keys of an ``[[xfail]]`` table (``--kvconform-xfails``)
+XFAIL_KEYS = ("backend", "rule", "test", "when", "field", "reference", "value", "reason")
 
 
-def known_failure_of(
-    backend: Any, rule: str, test: str, extra: Mapping[str, str] | None = None
-) -> str | None:
-    """:func:`known_failure` of the test called ``test`` (e.g. ``test_plan[glm-5-fp8-ds-mla]``)."""
-    entries = {**getattr(backend, "known_failures", {}), **(extra or {})}
-    for key, reason in entries.items():
-        key_rule, _, pattern = key.partition("::")
-        regex = ".*".join(re.escape(part) for part in (pattern or "*").split("*"))
-        if key_rule == rule and re.fullmatch(regex, test):
-            return str(reason)
-    return None
-
-
-def load_xfails(path: Path, backend_name: str) -> dict[str, str]:
-    """Known failures kept as data, outside the backend's code (``--kvconform-xfails``)::
+def load_xfails(path: Path, backend_name: str) -> list[KnownDeparture]:
+    """Known departures kept as data, outside the backend's code (``--kvconform-xfails``)::
 
         [[xfail]]
-        backend = "metal"            # optional: only for this backend
+        backend = "metal"              # optional: only for this backend
         rule = "plan"
-        test = "test_plan[glm-5-*]"  # ``*`` matches anything
+        test = "test_plan[glm-5-*]"    # ``*`` matches anything (or ``when``, an input kind)
+        field = "bytes_per_block"      # the field it departs in (``*`` globs)
+        reference = "1152"             # optional: the reference's value, as reports show it
+        value = "656"                  # optional: the backend's value
         reason = "why, with the numbers"
 
     Raises ``ValueError`` naming the file and the entry when it is malformed.
@@ -312,20 +389,30 @@ def load_xfails(path: Path, backend_name: str) -> dict[str, str]:
     entries = data.get("xfail", [])
     if set(data) - {"xfail"} or not isinstance(entries, list):
         raise ValueError(f"{path}: expected only [[xfail]] tables")
-    out = {}
+    out: list[KnownDeparture] = []
     for i, entry in enumerate(entries):
-        if not isinstance(entry, dict) or set(entry) - {"backend", "rule", "test", "reason"}:
-            raise ValueError(f"{path}: xfail[{i}]: expected keys backend, rule, test, reason")
-        missing = [k for k in ("rule", "test", "reason") if not isinstance(entry.get(k), str)]
+        where = f"{path}: xfail[{i}]"
+        if not isinstance(entry, dict) or set(entry) - set(XFAIL_KEYS):
+            unknown = sorted(set(entry) - set(XFAIL_KEYS)) if isinstance(entry, dict) else entry
+            raise ValueError(f"{where}: unknown key(s) {unknown}; expected {', '.join(XFAIL_KEYS)}")
+        if any(not isinstance(v, str) for v in entry.values()):
+            raise ValueError(f"{where}: every value must be a string")
+        missing = [k for k in ("rule", "field", "reason") if not entry.get(k)]
         if missing:
-            raise ValueError(f"{path}: xfail[{i}]: {', '.join(missing)} missing or not a string")
-        if entry["rule"] not in RULE_FAMILIES:
-            raise ValueError(f"{path}: xfail[{i}].rule: expected one of {', '.join(RULE_FAMILIES)}")
-        key = f"{entry['rule']}::{entry['test']}"
-        if entry.get("backend", backend_name) == backend_name:
-            if key in out:
-                raise ValueError(f"{path}: xfail[{i}]: a second entry for {entry['test']!r}")
-            out[key] = entry["reason"]
+            raise ValueError(f"{where}: {', '.join(missing)} missing (a known departure names its field)")
+        if entry["rule"] not in (*RULE_FAMILIES, "*"):
+            raise ValueError(f"{where}.rule: expected * or one of {', '.join(RULE_FAMILIES)}")
+        if "test" not in entry and "when" not in entry:
+            raise ValueError(f"{where}: give the tests (test = glob) or the input kind (when)")
+        when = entry.get("when")
+        if when is not None and when not in INPUT_KINDS:
+            raise ValueError(f"{where}.when: expected one of {', '.join(INPUT_KINDS)}")
+        if entry.get("backend", backend_name) != backend_name:
+            continue
+        out.append(KnownDeparture(
+            rule=entry["rule"], field=entry["field"], reason=entry["reason"], test=entry.get("test", "*"),
+            when=INPUT_KINDS[when] if when else None, reference=entry.get("reference"), value=entry.get("value"),
+        ))  # fmt: skip
     return out
 
 
@@ -343,15 +430,16 @@ class Difference:
 
 
 def check_scenario(scenario: Scenario | str | Path, backend: Any) -> list[Difference]:
-    """Compare ``backend.plan`` with the reference's plan, field by field.
+    """Compare ``backend.plan`` with the reference's plan, field by field (messages by their kind
+    and numbers, :func:`plan_view`).
 
     For downstream repos: ``assert not check_scenario("my-model.toml", MyBackend())``.
     A malformed file raises :class:`~pytest_kvconform.scenario.ScenarioError`.
     """
     if not isinstance(scenario, Scenario):
         scenario = load_scenario(scenario)
-    expected = ReferenceBackend().plan(scenario).to_dict()
-    got = backend.plan(scenario).to_dict()
+    expected = plan_view(ReferenceBackend().plan(scenario))
+    got = plan_view(backend.plan(scenario))
     return [
         Difference(scenario.name, k, expected[k], got.get(k)) for k in expected if expected[k] != got.get(k)
     ]

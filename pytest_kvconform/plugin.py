@@ -27,7 +27,8 @@ if TYPE_CHECKING:
 MARKERS = {
     "kvconform_rule": "kvconform_rule(name): the rule family a conformance test checks",
     "kvconform_scenario": "kvconform_scenario(*names): restrict kv_scenario to these scenarios",
-    "kvconform_requires": "kvconform_requires(capability): skip unless the backend has this capability",
+    "kvconform_independent": "kvconform_independent: compares with numbers independent of the reference "
+    "(an [expect] table, a golden, a published figure); the reference's self-check runs only these",
     "kvconform_metal": "kvconform_metal: needs the MLX paged-attention runtime (skips without mlx)",
     "kvconform_benchmark": "kvconform_benchmark: a kvconform benchmark; runs only with --benchmark-only",
 }
@@ -43,7 +44,7 @@ class _SessionHooks:
         self.session = session
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        self.session.record(report, outcome_message(report))
+        self.session.record(report)
 
     @pytest.hookimpl(wrapper=True)
     def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> Iterator[None]:
@@ -97,8 +98,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--kvconform-strict",
         action="store_true",
         default=False,
-        help="fail the run when a rule family is inherited (answered by the reference's own code) "
-        "and the backend does not declare it in `inherits`",
+        help="fail each test whose verdict is inherited (the reference's own code answered) for a rule "
+        "family the backend does not declare in `inherits`",
     )
     group.addoption(
         "--kvconform-isolate",
@@ -106,6 +107,21 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=False,
         help="build the backend in a process of its own (automatic for a backend that declares "
         "registers_process_wide), so what its plugin registers process-wide stays there",
+    )
+    group.addoption(
+        "--kvconform-timeout",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="how long a backend in its own process may take to start or to answer one call before "
+        "the call fails and the process is stopped (default 600)",
+    )
+    group.addoption(
+        "--kvconform-skip-unavailable",
+        action="store_true",
+        default=False,
+        help="skip the backend's tests when its runtime is not installed (e.g. a macOS job without vLLM); "
+        "without it, a selected backend that cannot be imported or built is a usage error",
     )
     group.addoption(
         "--kvconform-vllm",
@@ -149,6 +165,8 @@ def pytest_configure(config: pytest.Config) -> None:
             raise pytest.UsageError(f"--kvconform-xfails: {exc}") from None
     if session.max_examples is not None and session.max_examples < 1:
         raise pytest.UsageError("--kvconform-max-examples must be >= 1")
+    if session.timeout <= 0:
+        raise pytest.UsageError("--kvconform-timeout must be > 0 seconds")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -168,7 +186,10 @@ def _is_kvconform_item(item: pytest.Item) -> bool:
     return not FIXTURES.isdisjoint(getattr(item, "fixturenames", ()))
 
 
-DEFAULT_HEADER = f"kvconform: backend=reference (default; select with --kvconform-backend or ${ENV_BACKEND})"
+DEFAULT_HEADER = (
+    "kvconform: self-check of the expectations: the reference against [expect] tables, goldens and "
+    f"regression literals (backend=reference, the default; select one with --kvconform-backend or ${ENV_BACKEND})"
+)
 
 
 def pytest_report_collectionfinish(config: pytest.Config, items: list[pytest.Item]) -> list[str]:
@@ -199,6 +220,8 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     process = process_of(backend)
     if process["isolated"]:
         notes.insert(0, f"answers in its own process ({process['why']})")
+    if session.self_check:
+        notes.insert(0, "self-check of the expectations (differential tests deselected)")
     line = (
         f"kvconform: backend={backend.name} ({backend.version}), reference=vLLM {release.release} rules "
         f"({release_origin}), "
@@ -261,8 +284,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """Under ``-n N`` with xdist's default ``--dist load``: every test of one scenario in one
     worker (:mod:`.scheduling`); other ``--dist`` modes are xdist's."""
-    if config.getvalue("dist") != "load":
-        return None
+    if config.getvalue("dist") != "load" or not _session(config).configured:
+        return None  # inert when no kvconform backend or option is configured
     from .scheduling import ScenarioScheduling
 
     ids = [_scenario_id(s) for s in _session(config).scenarios()]
@@ -286,6 +309,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     benchmark_only = bool(config.getoption("benchmark_only", default=False))
     if session.explicit:
         resolve(session)
+    self_check = session.self_check
+    deselected = []
     for item in ours:
         if item.get_closest_marker("kvconform_benchmark") is not None and not benchmark_only:
             item.add_marker(pytest.mark.skip(reason="kvconform benchmarks run only with --benchmark-only"))
@@ -297,16 +322,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             raise pytest.UsageError(
                 f"{item.nodeid}: kvconform_rule expects one of {', '.join(RULE_FAMILIES)}; got {rule.args}"
             )
-        cap = item.get_closest_marker("kvconform_requires")
-        if cap is not None:
-            if len(cap.args) != 1 or not isinstance(cap.args[0], str):
-                raise pytest.UsageError(f"{item.nodeid}: kvconform_requires expects one capability name")
-            if cap.args[0] not in session.backend.capabilities:
-                item.add_marker(
-                    pytest.mark.skip(
-                        reason=f"backend {session.backend_name!r} lacks capability {cap.args[0]!r}"
-                    )
-                )
+        if self_check and rule is not None and item.get_closest_marker("kvconform_independent") is None:
+            deselected.append(item)  # the reference compared with itself: nothing independent
+            continue
         if item.get_closest_marker("kvconform_metal") is not None:
             try:
                 import mlx.core  # noqa: F401
@@ -314,12 +332,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(
                     pytest.mark.skip(reason="needs mlx: pip install 'pytest-kvconform[metal-cpu]'")
                 )
-        if rule is not None:
-            from .conformance import known_failure
-
-            reason = known_failure(session.backend, item, session.xfails)
-            if reason:
-                item.add_marker(pytest.mark.xfail(reason=reason, strict=True))
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        dropped = set(deselected)
+        items[:] = [item for item in items if item not in dropped]
 
 
 @pytest.hookimpl(wrapper=True)
@@ -328,14 +344,41 @@ def pytest_runtest_call(item: pytest.Item) -> Any:
         return (yield)
     from .provenance import ledger
 
-    with ledger() as led, _hypothesis_settings(item, _session(item.config)):
+    session = _session(item.config)
+    with ledger() as led, _hypothesis_settings(item, session):
+        led.known = _known_for(item, session)
         item.stash[_ledger_key] = led
         return (yield)
 
 
+def _rule_of(item: pytest.Item) -> str:
+    marker = item.get_closest_marker("kvconform_rule")
+    return str(marker.args[0]) if marker is not None and marker.args else ""
+
+
+def _scenario_of(item: pytest.Item) -> Scenario | None:
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return params.get("kv_scenario")  # type: ignore[no-any-return]
+
+
+def _known_for(item: pytest.Item, session: KVConformSession) -> list[Any]:
+    """The known departures about ``item`` (its rule and name; its scenario for ``when``); a
+    property test gets every entry of its rule and name, matched per generated input."""
+    from .requirements import known_departures_for
+
+    rule, generated = _rule_of(item), getattr(getattr(item, "function", None), "is_hypothesis_test", False)
+    entries = session.known_departures()
+    if generated:
+        return [e for e in entries if e.covers(rule, item.name, None) or (e.when is not None and
+                e.rule == rule and e.test == "*")]  # fmt: skip
+    return known_departures_for(entries, rule, item.name, _scenario_of(item))
+
+
 @contextlib.contextmanager
 def _hypothesis_settings(item: pytest.Item, session: KVConformSession) -> Iterator[None]:
-    """For one kvconform property test: ``--kvconform-max-examples``, and hypothesis's files in
+    """For one kvconform property test: ``--kvconform-max-examples``, its inputs seeded by the test
+    (``derandomize``, no example database: two runs or two hosts compare the same inputs) unless
+    ``--hypothesis-seed`` asks for a seed, and hypothesis's files in
     :meth:`KVConformSession.hypothesis_dir` instead of ``./.hypothesis``.
 
     Only this test's settings change (hypothesis reads them from the test at call time), and
@@ -353,7 +396,9 @@ def _hypothesis_settings(item: pytest.Item, session: KVConformSession) -> Iterat
     changes: dict[str, Any] = {}
     if session.max_examples is not None:
         changes["max_examples"] = session.max_examples
-    if not os.environ.get("HYPOTHESIS_STORAGE_DIRECTORY"):
+    if item.config.getoption("hypothesis_seed", default=None) is None:
+        changes.update(derandomize=True, database=None)
+    elif not os.environ.get("HYPOTHESIS_STORAGE_DIRECTORY"):
         default_db = Path.cwd() / ".hypothesis" / "examples"
         db = original.database
         if isinstance(db, DirectoryBasedExampleDatabase) and Path(db.path).resolve() == default_db.resolve():
@@ -389,103 +434,144 @@ _ledger_key = pytest.StashKey[Any]()
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """A kvconform test's report carries its verdict (:func:`pytest_kvconform.verdict.decide`,
+    the one place it is decided) and ends as the verdict says: agreed passes, departed and crashed
+    fail, a known departure xfails, the others skip with their reason."""
     report = yield
-    rule = item.get_closest_marker("kvconform_rule")
+    rule = _rule_of(item)
     session = _session(item.config)
-    if rule is not None and rule.args and session.unavailable is None:
-        report.user_properties.append(("kvconform_rule", rule.args[0]))
-        led = item.stash.get(_ledger_key, None)
-        if call.when == "call" and led is not None:
-            # JSON-serialisable, as everything here: user properties cross xdist
-            report.user_properties.append(("kvconform_answers", led.counts()))
-            report.user_properties.append(("kvconform_processes", sorted(led.processes)))
-            if rule.args[0] == "plan" and led.answers:
-                report.user_properties.append(("kvconform_steps", led.by_method()))
-            if led.outcome_of_pass(rule.args[0]) == "inherited":
-                report.user_properties.append(("kvconform_inherited", True))
-            if led.declined_steps():
-                report.user_properties.append(("kvconform_reference_steps", led.declined_steps()))
-            discarded = sum(led.discarded.values())
-            if led.compared or discarded:
-                report.user_properties.extend([
-                    ("kvconform_generated", led.compared), ("kvconform_discarded", discarded),
-                    ("kvconform_exercised", dict(led.exercised)),
-                ])  # fmt: skip
-        params = getattr(getattr(item, "callspec", None), "params", {})
-        if "kv_scenario" in params:
-            report.user_properties.append(("kvconform_scenario", _scenario_id(params["kv_scenario"])))
-        if call.excinfo is not None:
-            from .conformance import Departure
+    if not rule or session.unavailable is not None:
+        return report
+    if call.when == "setup" and report.failed:  # a fixture crashed: the backend could not be built
+        _keep(report, item, _crashed_setup(report), None)
+        return report
+    if call.when != "call":
+        return report
+    from .provenance import Ledger, is_oracle
+    from .verdict import decide
 
-            if isinstance(call.excinfo.value, Departure):  # JSON-serialisable: it crosses xdist
-                report.user_properties.append(("kvconform_difference", call.excinfo.value.to_dict()))
+    led: Ledger = item.stash.get(_ledger_key, None) or Ledger()
+    error = call.excinfo.value if call.excinfo is not None else None
+    if report.skipped and error is None:  # skipped before the call (a marker)
+        return report
+    backend = session.backend
+    result = decide(
+        rule=rule, error=error, answers=led.answers, oracle=is_oracle(backend), known=led.known,
+        inherits=getattr(backend, "inherits", {}), strict=session.strict, test_files=[str(item.path)],
+        generated=led.generated() if getattr(getattr(item, "function", None), "is_hypothesis_test", False) else None,
+        absent=_absent(backend),
+    )  # fmt: skip
+    _apply(report, item, result, getattr(error, "__notes__", None))
+    _keep(report, item, result, led)
     return report
 
 
-def outcome_message(report: pytest.TestReport) -> str:
-    """One line saying why: the failure's message, the skip or xfail reason ("" when passed)."""
-    if hasattr(report, "wasxfail"):
-        return str(report.wasxfail)
-    if report.skipped and isinstance(report.longrepr, tuple):
-        return str(report.longrepr[2]).removeprefix("Skipped: ")
-    if report.failed:
-        crash = getattr(report.longrepr, "reprcrash", None)
-        text = crash.message if crash is not None else str(report.longrepr)
-        return text.splitlines()[0] if text else ""
-    return ""
+def _absent(backend: Any) -> list[str]:
+    """The rule families ``backend`` declines whole."""
+    declines = getattr(backend, "declines", None)
+    return list(declines.families()) if declines is not None else []
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    kv = _session(session.config)
-    if kv.strict and not hasattr(session.config, "workerinput") and kv.matrix:
-        undeclared = kv.undeclared_inherited()
-        if undeclared and session.exitstatus == pytest.ExitCode.OK:
-            session.exitstatus = pytest.ExitCode.TESTS_FAILED
-            kv.strict_failure = f"--kvconform-strict: inherited and not declared: {', '.join(undeclared)}"
+def _crashed_setup(report: pytest.TestReport) -> Any:
+    from .verdict import Result, Verdict
+
+    crash = getattr(report.longrepr, "reprcrash", None)
+    text = crash.message if crash is not None else str(report.longrepr)
+    return Result(Verdict.CRASHED, f"setup: {text.splitlines()[0] if text else ''}")
+
+
+def _apply(report: pytest.TestReport, item: pytest.Item, result: Any, notes: list[str] | None = None) -> None:
+    """Make pytest's outcome the verdict's (``Result.outcome``); a failure shown without its
+    traceback keeps hypothesis's notes (the counterexample scenario)."""
+    outcome = result.outcome
+    if outcome == "passed":
+        report.outcome = "passed"
+        report.longrepr = None
+    elif outcome == "xfailed":
+        report.outcome = "skipped"
+        report.wasxfail = f"known departure: {result.known}"
+    elif outcome == "skipped":
+        report.outcome = "skipped"
+        path, line, _ = item.reportinfo()
+        report.longrepr = (str(path), (line or 0) + 1, f"Skipped: {result.verdict}: {result.message}")
+    else:
+        report.outcome = "failed"
+        if result.strict_failure or report.longrepr is None or result.known:
+            report.longrepr = "\n".join(filter(None, [result.strict_failure or result.message, _text(report)]))
+        elif notes and isinstance(report.longrepr, str | tuple) is False and "\n".join(notes) not in _text(report):
+            report.longrepr = "\n".join([_text(report), *notes])
+
+
+def _text(report: pytest.TestReport) -> str:
+    return "" if report.longrepr is None else str(report.longrepr)
+
+
+def _keep(report: pytest.TestReport, item: pytest.Item, result: Any, led: Any) -> None:
+    """The test's record, JSON-serialisable (user properties cross xdist)."""
+    from .checks import record
+
+    from .provenance import Ledger
+
+    led = led or Ledger()
+    scenario = _scenario_of(item)
+    entry = record(item.nodeid, _rule_of(item), _scenario_id(scenario) if scenario is not None else "",
+                   result, led)  # fmt: skip
+    entry["processes"] = sorted(led.processes)
+    if entry["rule"] == "plan" and led.answers:
+        entry["steps"] = led.by_method()
+    if led.exercised:
+        entry["exercised"] = dict(led.exercised)
+    report.user_properties.append(("kvconform_record", entry))
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
     session = _session(config)
-    if not session.matrix or hasattr(config, "workerinput"):
+    if not session.records or hasattr(config, "workerinput"):
         return
-    from .report import answers_of, format_answers, format_matrix, write_report
+    from .report import (
+        answers_of,
+        declined_steps_of,
+        exercised_of,
+        format_answers,
+        format_exercised,
+        format_matrix,
+        format_steps,
+        matrix_of,
+        steps_of,
+        write_report,
+    )
 
-    terminalreporter.section(f"kvconform: backend {session.backend.name} vs reference")
-    for line in format_matrix(session.matrix):
+    title = "self-check of the expectations" if session.self_check else "vs reference"
+    terminalreporter.section(f"kvconform: backend {session.backend.name} {title}")
+    records = session.records
+    for line in format_matrix(matrix_of(records)):
         terminalreporter.write_line(line)
-    answers = format_answers(answers_of(session.records))
+    answers = format_answers(answers_of(records))
     if answers:
         terminalreporter.write_line("the backend's answers, by whose code gave them:")
         for line in answers:
             terminalreporter.write_line("  " + line)
     declared = getattr(session.backend, "inherits", {})
-    for rule in [r for r, counts in session.matrix.items() if counts["inherited"]]:
-        why = (
-            f"declared: {declared[rule]}" if rule in declared else "not declared in the backend's `inherits`"
-        )
-        terminalreporter.write_line(
-            f"inherited {rule}: every answer in {session.matrix[rule]['inherited']} passing tests came from "
-            f"the reference's code ({why})"
-        )
-    if session.exercised:
-        from .report import format_exercised
-
+    inherited = sorted({r["rule"] for r in records if r["verdict"] == "inherited"})
+    for rule in inherited:
+        count = sum(r["verdict"] == "inherited" and r["rule"] == rule for r in records)
+        why = f"declared: {declared[rule]}" if rule in declared else "not declared in the backend's `inherits`"
+        terminalreporter.write_line(f"inherited {rule}: {count} tests answered by the reference's code ({why})")
+    exercised = exercised_of(records)
+    if exercised:
         terminalreporter.write_line("generated inputs compared, per rule they reach:")
-        for line in format_exercised(session.exercised):
+        for line in format_exercised(exercised):
             terminalreporter.write_line("  " + line)
-    if session.plan_steps:
-        from .report import format_steps
-
+    steps = steps_of(records)
+    if steps:
         terminalreporter.write_line("plan steps, by whose code answered them (answers over all plan tests):")
-        for line in format_steps(session.plan_steps):
+        for line in format_steps(steps):
             terminalreporter.write_line("  " + line)
-    if session.reference_steps:
+    declined = declined_steps_of(records)
+    if declined:
         terminalreporter.write_line("plan steps the reference answered because the backend declined them:")
-        for step, count in sorted(session.reference_steps.items()):
+        for step, count in sorted(declined.items()):
             terminalreporter.write_line(f"  {count:>4} plans  {step}")
-    if session.strict_failure:
-        terminalreporter.write_line(session.strict_failure, red=True)
     path = config.getoption("kvconform_report")
     if path:
         write_report(Path(path), session.report_document())

@@ -150,16 +150,21 @@ def composes_plan(backend: Any) -> bool:
 @dataclass
 class Ledger:
     """What one test (or one ``kvconform check`` comparison) saw of the backend: every answer with
-    who gave it, and the generated inputs of a property test."""
+    who gave it, the known departures about it, and the generated inputs of a property test."""
 
     #: (rule family, method, who answered, why the reference answered; "" otherwise), in order
     answers: list[tuple[str, str, str, str]] = field(default_factory=list)
     #: the processes whose code answered (more than this one: a backend in its own process)
     processes: set[int] = field(default_factory=set)
-    #: reason -> generated inputs discarded (the backend cannot model them)
-    discarded: Counter[str] = field(default_factory=Counter)
-    #: generated inputs compared (both answered, or both rejected)
+    #: the known departures about this test (``requirements.KnownDeparture``; per input kind for
+    #: generated inputs)
+    known: list[Any] = field(default_factory=list)
+    #: generated inputs compared (both answered, or both rejected alike)
     compared: int = 0
+    #: reason -> generated inputs the backend declined (declared, or an offline gap)
+    declined: Counter[str] = field(default_factory=Counter)
+    #: reason -> generated inputs that departed where a known departure says they do
+    known_departures: Counter[str] = field(default_factory=Counter)
     #: rule -> compared generated inputs that reached it
     exercised: Counter[str] = field(default_factory=Counter)
 
@@ -167,16 +172,6 @@ class Ledger:
         self.answers.append((family, method, by, reason))
         if pid is not None:
             self.processes.add(pid)
-
-    def outcome_of_pass(self, rule: str = "plan") -> str:
-        """A passing test of ``rule`` is ``passed`` when the backend's own code gave at least one
-        of the answers of that rule family it compared (of any family, for a ``plan`` test or
-        one that asked no answer of its own family), ``inherited`` when every such answer was
-        the reference's (run for the backend, or because it declined). A test that asked the
-        backend nothing (the reference checked against itself) is ``passed``."""
-        answers = [by for family, _, by, _ in self.answers if family == rule] if rule != "plan" else []
-        answers = answers or [by for _, _, by, _ in self.answers]
-        return "passed" if not answers or BACKEND in answers else "inherited"
 
     def counts(self) -> dict[str, int]:
         """Answers by who gave them (``backend``, ``inherited``, ``reference``)."""
@@ -195,6 +190,11 @@ class Ledger:
         return list(dict.fromkeys(
             f"{f}.{m}: reference ({why})" for f, m, by, why in self.answers if by == REFERENCE
         ))  # fmt: skip
+
+    def generated(self) -> dict[str, int]:
+        """The property test's generated inputs: compared, declined, known departures."""
+        return {"compared": self.compared, "declined": sum(self.declined.values()),
+                "known": sum(self.known_departures.values())}  # fmt: skip
 
 
 _current: contextvars.ContextVar[Ledger | None] = contextvars.ContextVar("kvconform_ledger", default=None)

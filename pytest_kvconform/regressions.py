@@ -18,10 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pytest
-
-from .conformance import call_rule, departure, outcome
-from .errors import REJECTIONS
+from .conformance import Departure, assert_same_outcome, call_rule, numbers_apply, outcome, plan_view
 from .reference.releases import RELEASES, RuleSet, rule_set
 from .reference.rules import reference_rules
 from .scenario import REJECTS, Scenario, load_scenario
@@ -77,21 +74,23 @@ def regression(stem: str, **runtime: Any) -> Callable[[], Scenario]:
 
 
 def backend_plan(backend: Any, scenario: Scenario) -> Any:
+    """The backend's plan of a regression scenario, whose numbers apply to it
+    (:func:`~.conformance.numbers_apply`)."""
+    numbers_apply(backend, scenario)
     return call_rule(backend, "plan", scenario=scenario)
 
 
 def plan_record(rules: Any, scenario: Scenario) -> dict[str, Any]:
-    """What a golden holds of ``rules``' plan: its fields, or ``{"rejects": <exception type>}``
-    when the rules reject the scenario (an older release's vLLM refusing it)."""
-    try:
-        return dict(rules.plan(scenario).to_dict())
-    except REJECTIONS as exc:
-        return {REJECTS: type(exc).__name__}
+    """What a golden holds of ``rules``' plan: its fields, or ``{"rejects": <kind>}`` when the
+    rules reject the scenario (an older release's vLLM refusing it; ``rejections.KINDS``)."""
+    answer = outcome(rules, "plan", scenario=scenario)
+    return dict(answer[1].to_dict()) if answer[0] == "ok" else {REJECTS: answer[1]}
 
 
-def one_sequence_bytes(backend: Any, scenario: Scenario) -> int:
-    """The backend's one-sequence estimate at the reference's block choice for ``scenario``."""
-    choice = reference_rules().choose_block_size(scenario=scenario)
+def one_sequence_bytes(backend: Any, scenario: Scenario, release: RuleSet | None = None) -> int:
+    """The backend's one-sequence estimate at the reference's block choice for ``scenario`` (under
+    ``release``'s rules; the backend's, else the newest)."""
+    choice = reference_rules(release or getattr(backend, "release", None)).choose_block_size(scenario=scenario)
     return call_rule(
         backend, "one_sequence_bytes", choice.block_size, choice.state_page_padded, scenario=scenario
     )
@@ -107,22 +106,21 @@ def assert_plan_matches_golden(backend: Any, reference: Any, golden: Any, scenar
     """
     goldens = golden if isinstance(golden, Goldens) else Goldens(golden)
     for release, other in goldens.others:
-        plan = plan_record(reference_rules(release), scenario)
-        assert plan == other, (
-            f"the reference's plan of {scenario.name!r} under vLLM {release.release} rules no longer "
-            "matches its golden"
-        )
-    golden = goldens.judged
+        _reference_matches(plan_record(reference_rules(release), scenario), other, scenario, release.release)
     expected = plan_record(reference, scenario)
-    try:
-        if REJECTS in expected:  # a rejection: the backend must reject with the same type
-            answer = outcome(backend, "plan", scenario=scenario)
-            got = {REJECTS: answer[1]} if answer[0] == "rejects" else answer[1].to_dict()
-        else:
-            got = backend_plan(backend, scenario).to_dict()
-    except (pytest.skip.Exception, pytest.fail.Exception):
-        assert expected == golden, f"the reference's plan of {scenario.name!r} no longer matches its golden"
-        raise
-    assert got == golden, (
-        departure("plan", backend, scenario, expected, got) or "the reference departs from its golden"
-    )
+    _reference_matches(expected, goldens.judged, scenario, reference.release.release)
+    numbers_apply(backend, scenario, reference)
+    answer = outcome(backend, "plan", scenario=scenario)
+    want = ("rejects", expected[REJECTS]) if REJECTS in expected else ("ok", expected)
+    assert_same_outcome("plan", backend, scenario, "plan", want, answer, plan_view)
+
+
+def _reference_matches(record: dict[str, Any], golden: Any, scenario: Scenario, release: str) -> None:
+    """The reference's plan equals its golden (syrupy records the comparison: a golden compared
+    is a golden used); a reference that moved is a failure of the reference, not of the backend."""
+    if not (golden == record):
+        message = (
+            f"the reference's plan of {scenario.name!r} under vLLM {release} rules no longer matches its "
+            "golden (syrupy's report shows the difference; --snapshot-update rewrites it from the reference)"
+        )
+        raise Departure(message, "plan", "golden", "the golden", "the reference's plan", pytrace=False)

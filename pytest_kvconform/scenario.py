@@ -371,15 +371,15 @@ def scenario_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Scena
 
 #: The ``[expect.before.<change>]`` key that says the releases lacking the change reject the plan.
 REJECTS = "rejects"
-#: Its values: the exception types of a rejection (``pytest_kvconform.errors.REJECTIONS``).
-REJECTION_TYPES = ("ValueError", "NotImplementedError", "AssertionError")
 
 
 def _read_expect_before(before: Any, expect: Mapping[str, Any], source: str) -> dict[str, dict[str, Any]]:
     """``[expect.before.<change>]`` tables: ``<change>`` a name of ``reference.releases.CHANGES``,
     each key a KVPlan field that ``[expect]`` also states (the value under the newest rules), or
-    ``rejects`` alone: the exception type those releases reject the plan with."""
+    ``rejects`` alone: the kind of refusal those releases reject the plan with
+    (``pytest_kvconform.rejections.KINDS``)."""
     from .reference.releases import CHANGES  # stdlib only; imported late (reference imports us)
+    from .rejections import KINDS
 
     if not isinstance(before, Mapping):
         raise ScenarioError(source, "expect.before", "expected a table of [expect.before.<change>] tables")
@@ -396,9 +396,9 @@ def _read_expect_before(before: Any, expect: Mapping[str, Any], source: str) -> 
                 raise ScenarioError(
                     source, f"{where}.{REJECTS}", "expected alone: a rejected plan has no fields"
                 )
-            if values[REJECTS] not in REJECTION_TYPES:
+            if values[REJECTS] not in KINDS:
                 raise ScenarioError(
-                    source, f"{where}.{REJECTS}", f"expected one of {', '.join(REJECTION_TYPES)}; "
+                    source, f"{where}.{REJECTS}", f"expected a kind of refusal, one of {', '.join(KINDS)}; "
                     f"got {values[REJECTS]!r}"
                 )  # fmt: skip
             out[change] = dict(values)

@@ -12,7 +12,6 @@ import contextlib
 import os
 import shutil
 import tempfile
-from collections import Counter, defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,27 +33,23 @@ class KVConformSession:
             *config.getoption("kvconform_backend_option"),
         ]
         self._backend: Any = None
-        #: why the selected backend cannot run here (its runtime is not installed): its tests skip
+        #: why the selected backend cannot run here, with ``--kvconform-skip-unavailable``: its tests skip
         self.unavailable: str | None = None
+        self.skip_unavailable = bool(config.getoption("kvconform_skip_unavailable"))
         self._release: tuple[Any, str] | None = None
         self.release_option = config.getoption("kvconform_vllm") or config.getini("kvconform_vllm")
         self._scenarios: list[Scenario] | None = None
-        self.matrix: dict[str, Counter[str]] = defaultdict(Counter)
-        #: plan step ("family.method") -> who answered -> answers, over the plan tests
-        self.plan_steps: dict[str, Counter[str]] = defaultdict(Counter)
-        #: rule family -> rule reached -> generated inputs compared that reached it
-        self.exercised: dict[str, Counter[str]] = defaultdict(Counter)
-        #: one record per conformance test: test (nodeid), rule, scenario, outcome, message, the
-        #: first difference of a departure (field, reference, backend; else None) and the answers
+        #: one record per conformance test (:func:`pytest_kvconform.checks.record`, plus the plan
+        #: steps, the rules generated inputs reached and the answering processes)
         self.records: list[dict[str, Any]] = []
         self.strict = bool(config.getoption("kvconform_strict"))
         #: build the backend in a process of its own (``--kvconform-isolate``)
         self.isolate = bool(config.getoption("kvconform_isolate"))
-        self.strict_failure = ""
-        #: "family.method: reference (why)" -> plans in which the reference answered that step
-        self.reference_steps: Counter[str] = Counter()
+        #: seconds an isolated backend may take to answer one call (``--kvconform-timeout``)
+        self.timeout = float(config.getoption("kvconform_timeout"))
         self.xfails_path = config.getoption("kvconform_xfails")
-        self.xfails: dict[str, str] = {}
+        #: known departures kept as data (``--kvconform-xfails``)
+        self.xfails: list[Any] = []
         self.extra_scenario_paths = [Path(p) for p in config.getoption("kvconform_scenarios") or []]
         self.max_examples: int | None = config.getoption("kvconform_max_examples")
         #: whether any kvconform option, ini value or environment variable is set
@@ -67,37 +62,23 @@ class KVConformSession:
         self._hypothesis_dir: Path | None = None
         self._hypothesis_tmp = False
 
-    def record(self, report: pytest.TestReport, message: str) -> None:
-        """Count one test's outcome per rule family (under xdist, from the workers' replayed
-        reports); ``message`` says why (:func:`pytest_kvconform.plugin.outcome_message`)."""
+    def record(self, report: pytest.TestReport) -> None:
+        """Keep one test's record (under xdist, from the workers' replayed reports)."""
         properties = dict(report.user_properties)
-        if report.when == "call":
-            for step in properties.get("kvconform_reference_steps", ()):
-                self.reference_steps[str(step)] += 1
-        rule = properties.get("kvconform_rule")
-        if rule is None:
-            return
-        if report.when == "call" or (report.when == "setup" and not report.passed):
-            if hasattr(report, "wasxfail"):
-                outcome = "xfailed" if report.skipped else "failed"  # an XPASS(strict) fails
-            else:
-                outcome = report.outcome
-            if outcome == "passed" and properties.get("kvconform_inherited"):
-                outcome = "inherited"  # every answer compared was the reference's code
-            self.matrix[str(rule)][outcome] += 1
-            for step, counts in properties.get("kvconform_steps", {}).items():
-                self.plan_steps[step].update(counts)
-            self.matrix[str(rule)]["generated"] += int(properties.get("kvconform_generated", 0))
-            self.matrix[str(rule)]["discarded"] += int(properties.get("kvconform_discarded", 0))
-            if properties.get("kvconform_exercised"):
-                self.exercised[str(rule)].update(properties["kvconform_exercised"])
-            scenario = str(properties.get("kvconform_scenario", ""))
-            self.records.append({
-                "test": report.nodeid, "rule": str(rule), "scenario": scenario, "outcome": outcome,
-                "message": message, "difference": properties.get("kvconform_difference"),
-                "answers": properties.get("kvconform_answers", {}),
-                "processes": properties.get("kvconform_processes", []),
-            })  # fmt: skip
+        record = properties.get("kvconform_record")
+        if record is not None:
+            self.records.append(dict(record))
+
+    @property
+    def self_check(self) -> bool:
+        """The reference against itself: only the tests that compare with independent numbers run."""
+        from .provenance import is_oracle
+
+        return self.unavailable is None and is_oracle(self.backend)
+
+    def known_departures(self) -> list[Any]:
+        """The backend's known departures, then those of ``--kvconform-xfails``."""
+        return [*getattr(self.backend, "known_departures", ()), *self.xfails]
 
     def report_document(self) -> dict[str, Any]:
         """The ``--kvconform-report`` document (:func:`pytest_kvconform.report.report_document`)."""
@@ -106,16 +87,10 @@ class KVConformSession:
 
         release, selected_by = self.release
         return report_document(
-            self.backend, self.matrix, self.exercised, self.records,
-            options=parse_options(self.backend_options_raw),
+            self.backend, self.records, options=parse_options(self.backend_options_raw),
             reference={"vllm_release": release.release, "selected_by": selected_by},
-            plan_steps=self.plan_steps, process=process_of(self.backend),
+            process=process_of(self.backend), mode="self-check" if self.self_check else "conformance",
         )  # fmt: skip
-
-    def undeclared_inherited(self) -> list[str]:
-        """Families reported inherited that the backend does not declare in ``inherits``."""
-        declared = getattr(self.backend, "inherits", {})
-        return [rule for rule, counts in self.matrix.items() if counts["inherited"] and rule not in declared]
 
     @property
     def explicit(self) -> bool:
@@ -128,13 +103,15 @@ class KVConformSession:
 
             try:
                 self._backend = resolve_backend(
-                    self.backend_name, parse_options(self.backend_options_raw), isolate=self.isolate
-                )
+                    self.backend_name, parse_options(self.backend_options_raw), isolate=self.isolate,
+                    timeout=self.timeout,
+                )  # fmt: skip
             except BackendError as exc:
-                self.unavailable = not_installed(exc)
-                if self.unavailable is None:
-                    raise pytest.UsageError(f"--kvconform-backend: {exc}") from None
-                raise
+                missing = not_installed(exc)
+                if missing is not None and self.skip_unavailable:
+                    self.unavailable = missing
+                    raise
+                raise pytest.UsageError(f"--kvconform-backend={self.backend_name}: {exc}") from None
             self.apply_release(self._backend)
         return self._backend
 
@@ -168,7 +145,7 @@ class KVConformSession:
 
     def cleanup(self) -> None:
         close = getattr(self._backend, "close", None)
-        if close is not None:  # its processes, engines, caches
+        if close is not None:  # its processes, engines, caches, the environment it set
             close()
         if self._hypothesis_tmp and self._hypothesis_dir is not None:
             shutil.rmtree(self._hypothesis_dir, ignore_errors=True)
@@ -207,16 +184,22 @@ def process_of(backend: Any) -> dict[str, Any]:
 
 def not_installed(exc: BaseException) -> str | None:
     """The reason when a backend failed to start because its runtime is not installed (vLLM on
-    macOS), else None: that backend's tests skip instead of the run erroring."""
+    macOS, a plugin's package), else None."""
+    from .backends.registry import BackendError
+
     cause = exc.__cause__
-    if type(cause).__name__ == "VllmUnavailableError" and str(cause).startswith("vLLM is not installed"):
+    if type(cause).__name__ == "VllmUnavailableError" or isinstance(cause, ImportError):
         return str(cause)
+    if isinstance(exc, BackendError) and "could not be imported" in str(exc):
+        return str(exc)
     return None
 
 
 def resolve(session: KVConformSession) -> None:
-    """Resolve the backend now: a bad name is a usage error before collection; a backend whose
-    runtime is not installed is recorded in ``session.unavailable``."""
+    """Resolve the backend now: a name that cannot be resolved, a backend that cannot be imported
+    or built is a usage error before collection (one line, with the install command); with
+    ``--kvconform-skip-unavailable`` a backend whose runtime is not installed is recorded in
+    ``session.unavailable`` and its tests skip."""
     from .backends.registry import BackendError
 
     with contextlib.suppress(BackendError):
@@ -225,16 +208,22 @@ def resolve(session: KVConformSession) -> None:
 
 def selected_release(option: str) -> tuple[Any, str]:
     """``--kvconform-vllm`` (ini ``kvconform_vllm``), else the installed vLLM's release (a newer
-    one than the newest rule set gets the newest), else the newest rule set."""
+    one than the newest rule set gets the newest, and the reason says so), else the newest rule set."""
     from .backends.vllm.runtime import installed_vllm_version, is_vllm_installed
-    from .reference.releases import LATEST, rule_set
+    from .reference.releases import LATEST, release_of, rule_set
 
     if option:
         return rule_set(option), "--kvconform-vllm"
     if not is_vllm_installed():
         return LATEST, "newest; vLLM is not installed"
     version = installed_vllm_version()
-    return rule_set(version, newer_is_latest=True), f"installed vLLM {version}"
+    rules = rule_set(version, newer_is_latest=True)
+    if release_of(version) != rules.release:
+        return rules, (
+            f"installed vLLM {version}; WARNING: newer than the newest rule set ({rules.release}), judged "
+            f"by {rules.release}'s rules: changes after {rules.release} are not known to the reference"
+        )
+    return rules, f"installed vLLM {version}"
 
 
 def selected_backend(config: pytest.Config) -> tuple[str, str]:

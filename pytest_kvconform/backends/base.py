@@ -2,24 +2,26 @@
 
 A backend answers one method per rule family. The :class:`ReferenceBackend` answers them
 all from :mod:`pytest_kvconform.reference`; a third-party backend subclasses it and
-overrides the rules its hardware computes itself, inheriting the rest. A rule a backend
-does not provide is listed in ``not_provided`` with the reason, and its tests skip.
+overrides the rules its hardware computes itself, inheriting the rest. What a backend does not
+do is declared once in ``declines`` (:class:`~pytest_kvconform.requirements.Declines`), where it
+knowingly departs in ``known_departures``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import ClassVar
 
-from ..errors import REJECTIONS, RuleError, RuleNotApplicable
+from ..errors import REJECTIONS, RuleError
+from ..gaps import OfflineGap
 from ..reference.rules import ReferenceRules
-from ..scenario import Scenario
+from ..requirements import Declines, KnownDeparture
 
 #: Rule families, in report order. Each names the backend method(s) that answer it.
 RULE_FAMILIES: dict[str, tuple[str, ...]] = {
     "dtype": ("kv_cache_dtype_bytes",),
     "hybrid_alignment": ("align_hybrid_block_size",),
-    "block_size": ("choose_block_size",),
+    "block_size": ("choose_block_size", "kernel_block_alignment"),
     "state_page": ("state_shapes", "state_page_bytes"),
     "layer_specs": ("layer_specs",),
     "attention_page": ("attention_page_bytes",),
@@ -40,9 +42,11 @@ __all__ = [
     "METHOD_FAMILY",
     "REJECTIONS",
     "RULE_FAMILIES",
+    "Declines",
+    "KnownDeparture",
+    "OfflineGap",
     "ReferenceBackend",
     "RuleError",
-    "RuleNotApplicable",
 ]
 
 
@@ -60,16 +64,19 @@ class ReferenceBackend(ReferenceRules):
     name: ClassVar[str] = "reference"
     #: this very class answers as the reference (a subclass does not: see ``provenance.is_oracle``)
     _kvconform_oracle: ClassVar[bool] = True
-    #: Features beyond sizing arithmetic, for ``kvconform_requires``: "allocation",
-    #: "paged_attention", "vllm_platform" (a vLLM Platform whose hooks the platform suite checks).
-    capabilities: ClassVar[frozenset[str]] = frozenset()
-    #: Rule family -> why this backend does not provide it (its tests skip with the reason).
-    not_provided: ClassVar[Mapping[str, str]] = {}
+    #: What this backend does not do: rule families, and kinds of input per family, each with the
+    #: reason (its tests end declined; a plan takes the reference's answer for that step). The
+    #: reference allocates no pool and drives no vLLM platform; a backend that does says
+    #: ``declines = ReferenceBackend.declines.without("allocation")``.
+    declines: ClassVar[Declines] = Declines({
+        "allocation": "it allocates no KV cache pool",
+        "platform": "it drives no vLLM platform (the vllm backend does)",
+    })  # fmt: skip
     #: Rule family -> why this backend answers it with the reference's own code (reported as
     #: "inherited (declared)"; ``--kvconform-strict`` fails on inherited families not listed here).
     inherits: ClassVar[Mapping[str, str]] = {}
-    #: ``"<rule>::<test-name glob>"`` -> reason: known departures, run as strict xfails.
-    known_failures: ClassVar[Mapping[str, str]] = {}
+    #: Where this backend knowingly departs from the reference, naming the field (strict).
+    known_departures: ClassVar[Sequence[KnownDeparture]] = ()
 
     @property
     def version(self) -> str:
@@ -78,11 +85,3 @@ class ReferenceBackend(ReferenceRules):
     def notes(self) -> list[str]:
         """Facts about how this backend answers (its platform, its device), for the header."""
         return []
-
-    def unsupported(self, scenario: Scenario) -> str | None:
-        """Why this backend cannot model ``scenario`` at all, or None.
-
-        Generated (hypothesis) scenarios a backend rejects here are discarded, not failed;
-        packaged scenarios are still run, and their departures belong in ``known_failures``.
-        """
-        return None

@@ -55,14 +55,20 @@ def _crosses(obj: Any) -> bool:
 
 
 def _portable(exc: BaseException) -> BaseException:
-    """``exc`` when its class crosses, else its nearest built-in class with the same message."""
-    if _crosses(exc):
-        return exc
+    """``exc`` when its class crosses, else its nearest built-in class with the same message;
+    either way with where it was raised here (``kvconform_where``, read by the verdict)."""
+    from ..verdict import where_raised
+
+    where = where_raised(exc)
+    crossing: BaseException | None = exc if _crosses(exc) else None
     for cls in type(exc).__mro__[1:]:
-        if cls.__module__ == "builtins":
+        if crossing is None and cls.__module__ == "builtins":
             with contextlib.suppress(TypeError):
-                return cls(f"{type(exc).__name__}: {exc}")
-    return RuntimeError(f"{type(exc).__name__}: {exc}")
+                crossing = cls(f"{type(exc).__name__}: {exc}")
+    crossing = crossing if crossing is not None else RuntimeError(f"{type(exc).__name__}: {exc}")
+    with contextlib.suppress(AttributeError, TypeError):
+        crossing.kvconform_where = where  # type: ignore[attr-defined]
+    return crossing
 
 
 class _Objects:
@@ -151,14 +157,22 @@ class IsolatedBackend:
     and run in a child process. Attributes and methods are the backend's; :attr:`process` says
     which process answers and why it is a separate one."""
 
-    def __init__(self, name: str, options: dict[str, str] | None = None, why: str = "") -> None:
+    def __init__(
+        self, name: str, options: dict[str, str] | None = None, why: str = "", timeout: float = 600.0
+    ) -> None:
         ctx = multiprocessing.get_context("spawn")
         parent, child = ctx.Pipe()
         process = ctx.Process(target=_serve, args=(child, name, dict(options or {})), daemon=True,
                               name=f"kvconform-backend-{name}")  # fmt: skip
         process.start()
         child.close()
-        vars(self).update(_conn=parent, _process=process, _label=name)
+        vars(self).update(_conn=parent, _process=process, _label=name, _timeout=timeout, _stopped="")
+        if not parent.poll(timeout):
+            self._stop()
+            raise IsolatedBackendError(
+                f"backend {name!r}: its process did not start within {timeout:g} s (--kvconform-timeout); "
+                "it was stopped"
+            )
         try:
             status, detail = parent.recv()
         except EOFError:
@@ -173,19 +187,27 @@ class IsolatedBackend:
         vars(self)["process"] = {"pid": int(detail), "isolated": True, "why": why}
 
     def _request(self, op: str, name: str, *args: Any, **kwargs: Any) -> Any:
+        if self._stopped:
+            raise IsolatedBackendError(f"backend {self._label!r}: {self._stopped}")
         buffer = io.BytesIO()
         pickler = pickle.Pickler(buffer)
         pickler.persistent_id = _sent_back  # type: ignore[method-assign]
         pickler.dump((op, name, args, kwargs))
         try:
             self._conn.send_bytes(buffer.getvalue())
+            if not self._conn.poll(self._timeout):
+                self._stop()
+                vars(self)["_stopped"] = (
+                    f"its process stopped answering ({op} {name!r} took over {self._timeout:g} s, "
+                    "--kvconform-timeout) and was stopped"
+                )
+                raise IsolatedBackendError(f"backend {self._label!r}: {self._stopped}")
             data = self._conn.recv_bytes()
         except (EOFError, OSError):
             code = self._process.exitcode
-            raise IsolatedBackendError(
-                f"backend {self._label!r}: its process (pid {self.process['pid']}) died"
-                + (f" with status {code}" if code is not None else "")
-            ) from None
+            vars(self)["_stopped"] = f"its process (pid {self.process['pid']}) died" + (
+                f" with status {code}" if code is not None else "")  # fmt: skip
+            raise IsolatedBackendError(f"backend {self._label!r}: {self._stopped}") from None
         unpickler = pickle.Unpickler(io.BytesIO(data))
         unpickler.persistent_load = functools.partial(RemoteObject, self)  # type: ignore[method-assign]
         kind, value = unpickler.load()
@@ -220,8 +242,12 @@ class IsolatedBackend:
             with contextlib.suppress(OSError):
                 self._conn.send_bytes(b"")
             self._process.join(5)
-            if self._process.is_alive():
-                self._process.kill()
+        self._stop()
+
+    def _stop(self) -> None:
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join(5)
         self._conn.close()
 
     def __repr__(self) -> str:

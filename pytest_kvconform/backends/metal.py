@@ -23,12 +23,20 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
-from ..errors import RuleNotApplicable
 from ..model import KVPlan, MemoryCheck, PoolAllocation
 from ..reference import plan as reference_plan
 from ..reference.specs import AttentionSpec, KVCacheSpec, MambaSpec
 from ..reference.speculative import num_draft_layers, speculative_method
 from ..scenario import Scenario
+from ..requirements import (
+    NO_PAGED_ATTENTION,
+    QUANTIZED_KV,
+    SPEC_LEVEL,
+    TENSOR_PARALLEL,
+    Declines,
+    InputKind,
+    KnownDeparture,
+)
 from .base import ReferenceBackend
 
 _FP8_DS_MLA = (
@@ -69,81 +77,105 @@ _INT_STORAGE = (
     "cannot be allocated"
 )
 _FROM_VLLM_CORE = "vllm-metal takes it from vLLM core (its platform and worker call vLLM's own code)"
+_QUANTIZED = (
+    "vllm-metal stores K/V in the model dtype and never reads --kv-cache-dtype (vllm-metal @ 211a1e4, "
+    "v1/cache_policy.py and attention/caches/kv_cache.py allocate model_config.dtype): a quantized "
+    "kv_cache_dtype's pages are billed at the model dtype"
+)
+
+
+def _mtp_draft(scenario: Scenario) -> bool:
+    return scenario.model is not None and speculative_method(scenario) == "mtp" and num_draft_layers(scenario) > 0
+
+
+def _pool_per_layer(scenario: Scenario) -> bool:
+    model = scenario.model
+    if model is None or not model.is_hybrid:
+        return False
+    try:
+        return reference_plan(scenario).group_size != model.num_attention_layers
+    except ValueError:  # a plan the reference rejects has no groups
+        return False
+
+
+#: The MTP drafter's attention layers (vLLM's worker reports them; the MLX pool holds the target's)
+MTP_DRAFT = InputKind("mtp_draft", "MTP draft layers (num_nextn_predict_layers, method mtp)", _mtp_draft)
+#: A hybrid whose vLLM groups hold more pages per block than it has attention layers
+SHARED_GROUP_SLOTS = InputKind(
+    "shared_group_slots",
+    "a hybrid whose KV cache groups (get_kv_cache_groups) bill more pages per block than its attention layers",
+    _pool_per_layer,
+)
+
+
+#: how a departure in which the MLX pool refuses the input shows (``conformance.assert_same_outcome``)
+_REFUSES = "rejects: unsupported_kv_cache_dtype"
+
+
+def _refuses(rule: str, test: str, field: str, reason: str) -> KnownDeparture:
+    return KnownDeparture(rule=rule, test=test, field=field, reason=reason, value=_REFUSES)
 
 
 class MetalBackend(ReferenceBackend):
     """vllm-metal's own sizing rules answered by the MLX runtime (Metal GPU on macOS, CPU on Linux)."""
 
     name: ClassVar[str] = "metal"
-    capabilities: ClassVar[frozenset[str]] = frozenset({"allocation", "paged_attention"})
+    #: the runtime allocates a pool; it serves one device, model-level scenarios with paged layers
+    declines: ClassVar[Declines] = ReferenceBackend.declines.without("allocation") | Declines({
+        ("allocation", SPEC_LEVEL): "a spec-level scenario has no model geometry for the Metal pool",
+        ("allocation", TENSOR_PARALLEL): "the Metal runtime serves one device: it holds every head, "
+        "not a tensor-parallel shard",
+        ("allocation", NO_PAGED_ATTENTION): "no paged attention layers: the Metal pool is empty",
+    })  # fmt: skip
     #: What vllm-metal does not compute itself: the reference's code answers, reported as inherited.
     inherits: ClassVar[Mapping[str, str]] = dict.fromkeys(
         ("dtype", "hybrid_alignment", "block_size", "state_page", "layer_specs", "attention_page",
          "max_memory", "unification", "grouping"), _FROM_VLLM_CORE,
     )  # fmt: skip
-    known_failures: ClassVar[Mapping[str, str]] = {
-        "plan::test_plan[glm-5-fp8-ds-mla]": _FP8_DS_MLA,
-        "dtype::test_registered_kv_cache_dtype[int8]": _INT_STORAGE,
-        "plan::test_expectations[glm-5-fp8-ds-mla]": _FP8_DS_MLA,
-        "allocation::test_pool_holds_exactly_the_planned_blocks[glm-5-fp8-ds-mla]": _FP8_DS_MLA,
-        "memory::test_check_memory[glm-5-fp8-ds-mla]": _FP8_DS_MLA,
-        "plan::test_plan_golden[glm5-fp8-ds-mla]": _FP8_DS_MLA,
-        "attention_page::test_glm5_fp8_ds_mla_pages": _FP8_DS_MLA,
-        "plan::test_plan_golden[vllm-b2-mla-mamba-fp8-ds-mla]": _FP8_DS_MLA,
-        "plan::test_plan_golden[vllm-b2-kimi-linear-mla-kda-fp8-ds-mla]": _FP8_DS_MLA,
-        # the vLLM #55449 probes' own [expect] (MLA + state layers with the 656 B/token latent)
-        "plan::test_expectations[*-mla-*-fp8-ds-mla-probe]": _FP8_DS_MLA,
-        **{
-            f"{family}::{test}[{scenario}]": reason
-            for scenario, reason in (("deepseek-v3-fp8", _FP8), ("deepseek-v3.2-fp8-ds-mla", _FP8_DS_MLA))
-            for family, test in (
-                ("plan", "test_plan"),
-                ("plan", "test_expectations"),
-                ("memory", "test_check_memory"),
-                ("allocation", "test_pool_holds_exactly_the_planned_blocks"),
-            )
-        },
-        "allocation::test_pool_holds_exactly_the_planned_blocks[gemma-3-27b-it]": _PER_LAYER_POOL,
-        "allocation::test_pool_holds_exactly_the_planned_blocks[gemma-4-31b-it]": _PER_LAYER_POOL,
-        "allocation::test_pool_holds_exactly_the_planned_blocks[gpt-oss-20b]": _PER_LAYER_POOL,
-        "allocation::test_pool_holds_exactly_the_planned_blocks[qwen3.5-35b-a3b-mtp1]": _MTP_DRAFT_NOT_POOLED,
-        "plan::test_plan[qwen3.6-35b-a3b-turboquant-k8v4]": _TURBOQUANT,
-        "plan::test_expectations[qwen3.6-35b-a3b-turboquant-k8v4]": _TURBOQUANT,
-        "allocation::test_pool_holds_exactly_the_planned_blocks[qwen3.6-*-turboquant-k8v4]": _TURBOQUANT,
-        "memory::test_check_memory[qwen3.6-35b-a3b-turboquant-k8v4]": _TURBOQUANT,
-        "plan::test_plan_golden[vllm-39931-qwen36-turboquant-k8v4]": _TURBOQUANT,
-        "plan::test_vllm39931_qwen36_turboquant_k8v4_real_run": _TURBOQUANT,
-        **{
-            f"{family}::{test}[llama-3.1-8b-instruct-turboquant-k8v4]": _TURBOQUANT_DENSE
-            for family, test in (
-                ("plan", "test_plan"),
-                ("plan", "test_expectations"),
-                ("memory", "test_check_memory"),
-                ("allocation", "test_pool_holds_exactly_the_planned_blocks"),
-            )
-        },
-    }
+    known_departures: ClassVar[Sequence[KnownDeparture]] = (
+        # the pool refuses a quantized or packed kv_cache_dtype (it stores the model dtype)
+        *(_refuses(rule, test, field, reason) for rule, test, field, reason in (
+            ("plan", "test_plan[glm-5-fp8-ds-mla]", "plan", _FP8_DS_MLA),
+            ("plan", "test_expectations[glm-5-fp8-ds-mla]", "plan", _FP8_DS_MLA),
+            ("memory", "test_check_memory[glm-5-fp8-ds-mla]", "check_memory", _FP8_DS_MLA),
+            ("plan", "test_plan_golden[glm5-fp8-ds-mla]", "plan", _FP8_DS_MLA),
+            ("attention_page", "test_glm5_fp8_ds_mla_pages", "plan", _FP8_DS_MLA),
+            ("plan", "test_plan_golden[vllm-b2-mla-mamba-fp8-ds-mla]", "plan", _FP8_DS_MLA),
+            ("plan", "test_plan_golden[vllm-b2-kimi-linear-mla-kda-fp8-ds-mla]", "plan", _FP8_DS_MLA),
+            ("plan", "test_expectations[*-mla-*-fp8-ds-mla-probe]", "plan", _FP8_DS_MLA),
+            ("dtype", "test_registered_kv_cache_dtype[int8]", "plan", _INT_STORAGE),
+            ("plan", "test_plan_golden[vllm-39931-qwen36-turboquant-k8v4]", "plan", _TURBOQUANT),
+            ("plan", "test_vllm39931_qwen36_turboquant_k8v4_real_run", "plan", _TURBOQUANT),
+        )),
+        *(_refuses(rule, f"{test}[{scenario}]", field, reason)
+          for scenario, reason in (("deepseek-v3-fp8", _FP8), ("deepseek-v3.2-fp8-ds-mla", _FP8_DS_MLA),
+                                   ("llama-3.1-8b-instruct-turboquant-k8v4", _TURBOQUANT_DENSE),
+                                   ("qwen3.6-35b-a3b-turboquant-k8v4", _TURBOQUANT))
+          for rule, test, field in (("plan", "test_plan", "plan"), ("plan", "test_expectations", "plan"),
+                                    ("memory", "test_check_memory", "check_memory"))),
+        # the pool's bytes per block (one page per attention layer, the model dtype)
+        *(KnownDeparture("allocation", "bytes_per_block", reason, f"test_pool_holds_exactly_the_planned_blocks[{name}]",
+                         reference=str(reference), value=str(value))
+          for name, reference, value, reason in (
+              ("gemma-3-27b-it", 1_310_720, 8_126_464, _PER_LAYER_POOL),
+              ("gemma-4-31b-it", 2_621_440, 14_417_920, _PER_LAYER_POOL),
+              ("gpt-oss-20b", 393_216, 786_432, _PER_LAYER_POOL),
+              ("qwen3.5-35b-a3b-mtp1", 23_789_568, 21_626_880, _MTP_DRAFT_NOT_POOLED),
+              ("glm-5-fp8-ds-mla", 3_933_696, 5_750_784, _FP8_DS_MLA),
+              ("llama-3.1-8b-instruct-turboquant-k8v4", 1_929_216, 4_194_304, _TURBOQUANT_DENSE),
+              ("qwen3.6-35b-a3b-turboquant-k8v4", 21_479_680, 56_688_640, _TURBOQUANT),
+          )),
+        # generated inputs, by kind of input
+        KnownDeparture("memory", "check_memory", _QUANTIZED, when=QUANTIZED_KV, value=_REFUSES),
+        KnownDeparture("plan", "plan", _QUANTIZED, when=QUANTIZED_KV, value=_REFUSES),
+        *(KnownDeparture(rule, "bytes_per_block", reason, when=kind) for rule in ("memory", "plan")
+          for kind, reason in ((MTP_DRAFT, _MTP_DRAFT_NOT_POOLED), (SHARED_GROUP_SLOTS, _PER_LAYER_POOL))),
+    )  # fmt: skip
 
     def __init__(self) -> None:
         import mlx.core as mx  # ImportError here becomes the registry's install hint
 
         self._mx = mx
-
-    def unsupported(self, scenario: Scenario) -> str | None:
-        model = scenario.model
-        kv_dtype = scenario.runtime.kv_cache_dtype
-        if kv_dtype not in ("auto", model.dtype if model is not None else None):
-            return f"the runtime stores K/V in the model dtype; kv_cache_dtype {kv_dtype!r} is not modelled"
-        if model is not None and speculative_method(scenario) == "mtp" and num_draft_layers(scenario):
-            return "the MLX pool holds the target's attention layers only, not the MTP drafter's"
-        if model is not None and model.is_hybrid:
-            group_size = reference_plan(scenario).group_size
-            if group_size != model.num_attention_layers:
-                return (
-                    f"vllm-metal's pool block holds the {model.num_attention_layers} attention layers while "
-                    f"vLLM bills group_size={group_size} pages per block (see tests/test_metal_backend.py)"
-                )
-        return None
 
     @property
     def version(self) -> str:
@@ -203,16 +235,7 @@ class MetalBackend(ReferenceBackend):
     def allocate_kv_cache(self, plan: KVPlan, num_blocks: int, scenario: Scenario) -> PoolAllocation:
         from ..metal_runtime import KVPool
 
-        if scenario.is_spec_level:
-            raise RuleNotApplicable("a spec-level scenario has no model geometry for the Metal pool")
-        if scenario.runtime.tensor_parallel_size > 1:
-            raise RuleNotApplicable(
-                "the Metal runtime serves one device: it holds every head, not a "
-                f"tensor_parallel_size={scenario.runtime.tensor_parallel_size} shard"
-            )
         paged = [layer for layer in _scenario_layers(scenario) if layer.is_paged]
-        if not paged:
-            raise RuleNotApplicable("the model has no paged attention layers: the Metal pool is empty")
         pool = KVPool(paged, num_blocks, plan.block_size, 0)
         return PoolAllocation(num_blocks, pool.bytes_per_block(), pool.bytes_held(), handle=pool)
 

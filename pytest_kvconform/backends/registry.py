@@ -76,17 +76,20 @@ def backend_class(name: str) -> Any:
     )
 
 
-def resolve_backend(name: str, options: dict[str, str] | None = None, *, isolate: bool = False) -> Any:
+def resolve_backend(
+    name: str, options: dict[str, str] | None = None, *, isolate: bool = False, timeout: float = 600.0
+) -> Any:
     """Return an instance of the backend called ``name``, constructed with ``options`` (strings).
 
     A backend whose class says it ``registers_process_wide`` (or any, with ``isolate``) is built
-    in a process of its own and answers through an :class:`~.isolated.IsolatedBackend`."""
+    in a process of its own and answers through an :class:`~.isolated.IsolatedBackend`, which
+    gives up on a start or a call that takes more than ``timeout`` seconds."""
     cls = backend_class(name)
     why = getattr(cls, "registers_process_wide", None)
     if isolate or (isinstance(why, str) and why):
         from .isolated import IsolatedBackend
 
-        return IsolatedBackend(name, options, why=why or "--kvconform-isolate")
+        return IsolatedBackend(name, options, why=why or "--kvconform-isolate", timeout=timeout)
     return build_backend(name, options, cls)
 
 
@@ -109,8 +112,8 @@ def build_backend(name: str, options: dict[str, str] | None = None, cls: Any = N
             ) from None
         try:
             backend = cls(**options)
-        except Exception as exc:  # a backend's constructor may probe its runtime
-            raise BackendError(f"backend {name!r} failed to start: {exc!r}") from exc
+        except Exception as exc:  # a backend's constructor may probe its runtime: a usage error
+            raise BackendError(f"backend {name!r} failed to start: {type(exc).__name__}: {exc}") from exc
     for attr in ("name", "plan"):
         if not hasattr(backend, attr):
             raise BackendError(f"backend {name!r} ({cls!r}) is not a kvconform backend: no {attr!r}")

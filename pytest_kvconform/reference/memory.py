@@ -171,7 +171,8 @@ def check_memory(
 ) -> MemoryCheck:
     """Plan one worker's pool and run the admission check (``get_kv_cache_configs`` for one worker).
 
-    ``num_blocks = available // bytes_per_block`` counts the null block; the check sees
+    ``num_blocks = available // bytes_per_block`` counts the null block (0 when not one block fits
+    beyond it: ``get_kv_cache_configs`` raises "No available memory" before planning a pool); the check sees
     :func:`admission_budget` (``available - bytes_per_block`` from vLLM 0.29; without
     ``reserve_null_block``, all of ``available``) and passes when ``needed <= check``; the
     estimate is asked for those same bytes, ``estimate_for(check)`` (default
@@ -211,7 +212,8 @@ def check_memory(
         admission = not_enough_memory_error(length, needed, check, estimate)
     else:
         admission = "ok"
-    num_blocks, per_request = available // bpb, needed // bpb
+    # the engine stops before it has a pool when not one block fits beyond the null block
+    num_blocks, per_request = (available // bpb if check > 0 else 0), needed // bpb
     return MemoryCheck(
         bytes_per_block=bpb, num_blocks=num_blocks, needed_bytes=needed, available_bytes=check,
         admission=admission, max_model_len_estimate=estimate,

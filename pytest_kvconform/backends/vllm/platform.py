@@ -18,6 +18,7 @@ that the CUDA, ROCm and CPU platforms all declare (``support_hybrid_kv_cache``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 from collections.abc import Iterator
@@ -83,11 +84,55 @@ def read_setting(config: Any, path: str) -> Any:
 
 
 def snapshot(config: Any) -> dict[str, Any]:
+    """The settings of :data:`SIZING_SETTINGS` (what a hook changed behind the scenario's back)."""
     return {path: read_setting(config, path) for path in SIZING_SETTINGS}
 
 
+_SCALAR = (int, float, str, bool, type(None))
+
+
+def config_snapshot(config: Any) -> dict[str, Any]:
+    """Every value of a ``VllmConfig``, by path (``scheduler_config.max_num_seqs``): the fields of
+    its config dataclasses, recursively, and of their string-keyed tables; another object is
+    recorded by its type. What a hook's second run must leave unchanged, whatever it is."""
+    import enum
+
+    out: dict[str, Any] = {}
+    seen: set[int] = set()
+
+    def walk(obj: Any, path: str) -> None:
+        if isinstance(obj, _SCALAR):
+            out[path] = obj
+        elif isinstance(obj, enum.Enum):
+            out[path] = str(obj)
+        elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            if id(obj) in seen:
+                return
+            seen.add(id(obj))
+            for f in dataclasses.fields(obj):
+                name = f"{path}.{f.name}" if path else f.name
+                try:
+                    value = getattr(obj, f.name, None)
+                except Exception as exc:  # a field that refuses to be read whole (Gemma 4's per-layer ones)
+                    out[name] = f"<{type(exc).__name__}>"
+                else:
+                    walk(value, name)
+        elif isinstance(obj, list | tuple) and all(isinstance(x, _SCALAR) for x in obj):
+            out[path] = tuple(obj)
+        elif isinstance(obj, dict) and all(isinstance(k, str) for k in obj):
+            for key, value in obj.items():
+                walk(value, f"{path}[{key}]")
+        else:
+            out[path] = type(obj).__qualname__
+
+    walk(config, "")
+    return out
+
+
 def diff(hook: str, before: dict[str, Any], after: dict[str, Any]) -> list[HookChange]:
-    return [HookChange(hook, k, before[k], after[k]) for k in before if before[k] != after[k]]
+    """What changed from ``before`` to ``after`` (a setting added or removed included)."""
+    keys = [*before, *(k for k in after if k not in before)]
+    return [HookChange(hook, k, before.get(k), after.get(k)) for k in keys if before.get(k) != after.get(k)]
 
 
 @functools.cache
@@ -202,12 +247,13 @@ _LOGS: list[HookLog] = []
 
 def _clear_platform_caches() -> None:
     """vLLM caches the attention backend class per selector config, not per platform."""
-    from vllm.v1.attention import selector
+    from .private import private
 
-    for name in ("_cached_get_attn_backend", "_cached_get_mamba_attn_backend"):
-        fn = getattr(selector, name, None)
-        if fn is not None and hasattr(fn, "cache_clear"):
-            fn.cache_clear()
+    selector, cached = private("_cached_get_attn_backend")
+    cached.cache_clear()
+    mamba = getattr(selector, "_cached_get_mamba_attn_backend", None)  # not in every release
+    if mamba is not None:
+        mamba.cache_clear()
 
 
 @contextlib.contextmanager

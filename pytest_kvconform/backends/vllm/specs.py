@@ -33,7 +33,7 @@ def kv_cache_dtype_bytes(kv_cache_dtype: str, model_dtype: str) -> int:
     try:
         dtype = kv_cache_dtype_str_to_dtype(kv_cache_dtype, model_config)
     except KeyError:  # e.g. the octave_* formats are newer than vLLM 0.32
-        raise UnsupportedByVllmError(
+        raise UnsupportedByVllmError("release_lacks",
             f"vLLM {installed_vllm_version()} has no kv_cache_dtype {kv_cache_dtype!r}"
         ) from None
     return int(get_dtype_size(dtype))
@@ -101,7 +101,11 @@ def spec_kind(vllm_spec: Any) -> str:
         cls = getattr(kci, cls_name, None)
         if cls is not None and isinstance(vllm_spec, cls):
             return kind
-    raise UnsupportedByVllmError(f"no neutral spec kind for {type(vllm_spec).__name__}")
+    raise TypeError(
+        f"{type(vllm_spec).__qualname__} is no KVCacheSpec class the harness compares (a subclass of "
+        "vLLM's FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec, CrossAttentionSpec, "
+        "MLAAttentionSpec, MambaSpec or UniformTypeKVCacheSpecs)"
+    )
 
 
 def from_vllm_spec(vllm_spec: Any, template: KVCacheSpec | None = None, layer: Any = None) -> KVCacheSpec:
@@ -121,9 +125,7 @@ def from_vllm_spec(vllm_spec: Any, template: KVCacheSpec | None = None, layer: A
             num_prefill_checkpoint_blocks=getattr(vllm_spec, "num_prefill_checkpoint_blocks", 0),
         )  # fmt: skip
     if kind == "uniform_type":
-        raise UnsupportedByVllmError(
-            "UniformTypeKVCacheSpecs holds several specs; convert its kv_cache_specs"
-        )
+        raise TypeError("UniformTypeKVCacheSpecs holds several specs; convert its kv_cache_specs")
     head_size_v = vllm_spec.head_size_v
     if kind != "mla" and head_size_v == vllm_spec.head_size:
         head_size_v = None

@@ -94,29 +94,41 @@ def is_gpu_worker(worker_cls: type) -> bool:
 
 
 def bytes_held(worker: Any) -> int:
-    """What the worker holds for the KV cache after ``initialize_from_config``: the bytes of its
-    runner's ``kv_caches`` (vLLM's GPU runner and tpu-inference's keep them there), or of the
-    worker's own ``kv_caches``: tensors (``numel * element_size``), arrays (``nbytes``), buffers,
-    and lists, tuples and dicts of them."""
+    """What the worker holds for the KV cache after ``initialize_from_config``: the bytes of the
+    storage behind its runner's ``kv_caches`` (vLLM's GPU runner and tpu-inference's keep them
+    there), or the worker's own ``kv_caches``: tensors, arrays, buffers, and lists, tuples and
+    dicts of them, each storage counted once (vLLM's per-layer views of one backing allocation
+    are one allocation)."""
     runner = getattr(worker, "model_runner", None)
     caches = getattr(runner, "kv_caches", None)
     if caches is None:
         caches = getattr(worker, "kv_caches", None)
     if caches is None:
-        raise ValueError(f"{type(worker).__qualname__} keeps no kv_caches after initialize_from_config")
-    return _nbytes(caches)
+        raise TypeError(f"{type(worker).__qualname__} keeps no kv_caches after initialize_from_config")
+    storages: dict[Any, int] = {}
+    _storages(caches, storages)
+    return sum(storages.values())
 
 
-def _nbytes(x: Any) -> int:
+def _storages(x: Any, out: dict[Any, int]) -> None:
+    """The distinct storages behind ``x``: key -> bytes (a view adds its base's storage once)."""
     if isinstance(x, dict):
-        return sum(_nbytes(v) for v in x.values())
-    if isinstance(x, list | tuple):
-        return sum(_nbytes(v) for v in x)
-    if isinstance(x, bytes | bytearray | memoryview):
-        return len(x)
-    if hasattr(x, "element_size") and hasattr(x, "numel"):
-        return int(x.numel()) * int(x.element_size())
-    return int(x.nbytes)
+        for v in x.values():
+            _storages(v, out)
+    elif isinstance(x, list | tuple):
+        for v in x:
+            _storages(v, out)
+    elif isinstance(x, bytes | bytearray):
+        out[("buffer", id(x))] = len(x)
+    elif isinstance(x, memoryview):
+        out[("buffer", id(x.obj))] = x.obj.nbytes if hasattr(x.obj, "nbytes") else len(x.obj)
+    elif hasattr(x, "untyped_storage"):  # a torch tensor: its storage, wherever the view starts
+        storage = x.untyped_storage()
+        out[("torch", storage._cdata)] = int(storage.nbytes())
+    elif getattr(x, "base", None) is not None and hasattr(x.base, "nbytes"):  # a numpy view
+        _storages(x.base, out)
+    else:
+        out[("array", id(x))] = int(x.nbytes)
 
 
 __all__ = ["GPU_WORKER", "RunnerStandIn", "build_worker", "bytes_held", "is_gpu_worker", "resolve_worker",

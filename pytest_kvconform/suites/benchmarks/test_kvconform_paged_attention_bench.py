@@ -1,6 +1,6 @@
 """Paged-attention decode benchmarks: the selected backend's kernel, else the bundled MLX runtime.
 
-A backend with capability ``paged_attention`` and a ``paged_attention`` method (the signature of
+A backend with a ``paged_attention`` method (the signature of
 :func:`pytest_kvconform.metal_runtime.paged_attention`) is timed with its own kernel; any other
 backend (``metal`` included: its kernel *is* the bundled runtime) with ``pytest_kvconform.metal_runtime``.
 ``extra_info["implementation"]`` says which.
@@ -44,7 +44,7 @@ KV_BYTES = 2 * B * CTX * HKV * D * 4  # K and V, fp32: 128 MiB
 def kernel(backend: Any) -> tuple[Callable[..., mx.array], str]:
     """The selected backend's paged-attention kernel where it has one, else the bundled runtime's."""
     own = getattr(backend, "paged_attention", None)
-    if "paged_attention" in backend.capabilities and callable(own):
+    if callable(own):
         return own, f"backend {backend.name}"
     return metal_runtime.paged_attention, "bundled MLX runtime"
 

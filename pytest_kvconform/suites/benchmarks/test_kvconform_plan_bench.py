@@ -4,9 +4,8 @@ Measures only; there are no timed asserts (the suites check the plans). Runs onl
 ``--benchmark-only``: ``pytest --pyargs pytest_kvconform.suites --benchmark-only
 --kvconform-backend=NAME``.
 
-A scenario is skipped only for a reason the backend declares: ``plan`` not provided, not
-applicable (``RuleNotApplicable``), or a rejection its ``known_failures`` lists for
-``plan::test_plan[<scenario>]``. Any other exception fails the case.
+A scenario is skipped only for a reason the backend declares (``declines``), an offline gap, or
+a rejection the reference makes too (the engine would not start). Any other exception fails.
 """
 
 from __future__ import annotations
@@ -15,9 +14,10 @@ from typing import Any
 
 import pytest
 
-from pytest_kvconform.conformance import known_failure_of, skip_if_not_provided
-from pytest_kvconform.errors import REJECTIONS, RuleNotApplicable
+from pytest_kvconform.conformance import decline_if_declared
+from pytest_kvconform.gaps import OfflineGap
 from pytest_kvconform.reference.layers import layer_specs
+from pytest_kvconform.rejections import rejection_kind
 from pytest_kvconform.scenario import Scenario, load_scenario, packaged_scenario_names
 
 pytestmark = pytest.mark.kvconform_benchmark
@@ -26,20 +26,18 @@ pytestmark = pytest.mark.kvconform_benchmark
 def warm_plan(backend: Any, scenario: Scenario, name: str) -> Any:
     """The backend's plan of ``scenario``, untimed (imports and per-scenario caches happen here).
 
-    Skips only on what the backend declares (not provided, not applicable, a known rejection);
-    anything else it raises propagates and fails the case."""
-    skip_if_not_provided(backend, "plan")
+    Skips only on what the backend declares, an offline gap, or a rejection (the engine would not
+    start: the suites compare it); anything else it raises propagates and fails the case."""
+    decline_if_declared(backend, "plan", scenario)
     try:
         return backend.plan(scenario)
-    except RuleNotApplicable as exc:
-        pytest.skip(f"backend {backend.name!r} cannot plan {name}: {exc}")
-    except REJECTIONS as exc:
-        declared = known_failure_of(backend, "plan", f"test_plan[{name}]")
-        if declared is None:
+    except OfflineGap as exc:
+        pytest.skip(f"backend {backend.name!r} cannot plan {name} here: {exc}")
+    except Exception as exc:
+        kind = rejection_kind(exc)
+        if kind is None:
             raise
-        pytest.skip(
-            f"backend {backend.name!r} rejects {name} ({type(exc).__name__}), a known failure: {declared}"
-        )
+        pytest.skip(f"backend {backend.name!r} rejects {name} ({kind}): nothing to time")
 
 
 @pytest.mark.parametrize("name", packaged_scenario_names())

@@ -39,7 +39,9 @@ pytestmark = pytest.mark.kvconform_benchmark
 def test_vllm_vs_reference_plan(
     benchmark: Any, kv_backend: Any, kv_reference: Any, name: str, implementation: str
 ) -> None:
-    if "vllm_platform" not in kv_backend.capabilities:
+    from pytest_kvconform.conformance import declined_reason
+
+    if declined_reason(kv_backend, "platform") is not None:
         pytest.skip(f"times vLLM's planning: needs --kvconform-backend=vllm, not {kv_backend.name!r}")
     scenario = load_scenario(name)
     backend = kv_backend if implementation == "vllm" else kv_reference

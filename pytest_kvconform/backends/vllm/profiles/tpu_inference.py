@@ -33,11 +33,11 @@ tpu-inference computes a size:
 * :meth:`TpuInferenceBackend.make_worker`: the devices, the ``TPUModelRunner`` and the
   ``quant_config`` that carries its mesh, as ``init_device`` and ``load_model`` make them.
 
-Declined with the reason (``RuleNotApplicable``), never answered: what tpu-inference refuses to
-start with for reasons that are not sizing (:func:`refusal`: an MLA model without
-``NEW_MODEL_DESIGN=1`` and DP attention, a KV cache dtype without a JAX type); vLLM's hybrid
-alignment, which tpu-inference never runs (``not_provided``); a pool of a few blocks where the
-engine pins its block count (:meth:`TpuInferenceBackend.allocate_kv_cache`). tpu-inference's
+Declined with the reason (``TpuInferenceBackend.declines``), never answered: what tpu-inference
+refuses to start with for reasons that are not sizing (an MLA model without ``NEW_MODEL_DESIGN=1``
+and DP attention, a KV cache dtype without a JAX type); vLLM's hybrid alignment, which
+tpu-inference never runs; a pool of a few blocks where the engine pins its block count (a hybrid,
+or a scenario's ``num_gpu_blocks_override``). tpu-inference's
 departures from vLLM core are data, with their reasons, in
 ``pytest_kvconform/xfails/tpu-inference.toml``; the differential property suite is not run for
 it (as for vLLM's CPU platform): nearly every generated input shows one of those departures.
@@ -51,10 +51,10 @@ import math
 import os
 import sys
 import types
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
 
-from ....errors import RuleNotApplicable
+from ....requirements import HYBRID, Declines, InputKind
 from ..backend import VllmBackend
 from ..runtime import UnsupportedByVllmError, VllmUnavailableError, vllm_runtime
 
@@ -218,7 +218,7 @@ def hbm_stats(budget: int, utilization: float) -> dict[str, int]:
     for used in (in_use - 1, in_use, in_use + 1, in_use + 2):
         if used >= 0 and int(limit * utilization - used) == budget:
             return {"bytes_limit": limit, "bytes_in_use": used}
-    raise UnsupportedByVllmError(f"no HBM size gives {budget} B at utilization {utilization}")
+    raise RuntimeError(f"no HBM size gives {budget} B at utilization {utilization}")
 
 
 def device_memory() -> None:
@@ -257,27 +257,40 @@ MLA_REFUSAL = (
     "([runtime.env]) and DP attention ([runtime.additional_config] "
     "sharding.sharding_strategy.enable_dp_attention = true) are set"
 )
-DTYPE_REFUSAL = (
-    "tpu-inference has no JAX type for kv_cache_dtype {dtype!r} (TPUModelRunner._init_inputs -> "
-    "tpu_inference.utils.to_jax_dtype: {error}): the engine cannot start"
-)
 
 
-def refusal(exc: BaseException) -> str | None:
-    """Why tpu-inference refuses to start, when ``exc`` is one of its start-up refusals that are
-    not about sizing: the MLA requirement of ``TpuPlatform.check_and_update_config``, a KV
-    cache dtype without a JAX type."""
-    text = str(exc)
-    if "MLA models require both the NEW_MODEL_DESIGN=1" in text:
-        return f"tpu-inference refuses it: {MLA_REFUSAL}"
-    if "data type" in text and "not understood" in text:
-        return f"tpu-inference refuses it: {text.strip().splitlines()[-1]}"
-    return None
+#: the kv_cache_dtype strings ``tpu_inference.utils.to_jax_dtype`` knows (its alias table, and
+#: what ``jnp.dtype`` reads); any other is a ``TypeError`` in ``TPUModelRunner._init_inputs``
+JAX_KV_CACHE_DTYPES = frozenset({"auto", "float16", "bfloat16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2"})
 
 
 def _dp_attention(rt: Any) -> bool:
     sharding = rt.additional_config_dict.get("sharding", {})
     return bool(sharding.get("sharding_strategy", {}).get("enable_dp_attention", False))
+
+
+def _mla_without_new_design(scenario: Any) -> bool:
+    model, rt = scenario.model, scenario.runtime
+    return model is not None and model.use_mla and not (dict(rt.env).get("NEW_MODEL_DESIGN") and _dp_attention(rt))
+
+
+def _no_jax_dtype(scenario: Any) -> bool:
+    return scenario.runtime.kv_cache_dtype not in JAX_KV_CACHE_DTYPES
+
+
+def _pinned_pool(scenario: Any) -> bool:
+    return scenario.runtime.num_gpu_blocks_override is not None
+
+
+MLA_WITHOUT_NEW_MODEL_DESIGN = InputKind(
+    "mla_without_new_model_design", "an MLA model without NEW_MODEL_DESIGN=1 and DP attention", _mla_without_new_design
+)
+NO_JAX_DTYPE = InputKind("no_jax_kv_cache_dtype", "a kv_cache_dtype tpu-inference has no JAX type for", _no_jax_dtype)
+PINNED_POOL = InputKind("pinned_pool", "num_gpu_blocks_override set", _pinned_pool)
+_PINNED = (
+    "vLLM's KVCacheConfig then has the pinned block count whatever memory it is given, so a pool of a few "
+    "blocks cannot be asked (the full one is the scenario's budget)"
+)
 
 
 # ---------------------------------------------------------------------------- the backend
@@ -289,19 +302,22 @@ class TpuInferenceBackend(VllmBackend):
     name: ClassVar[str] = "tpu-inference"
     platform: ClassVar[type | str | None] = PLATFORM
     worker: ClassVar[type | str | None] = WORKER
-    #: TPUWorker.initialize_from_config allocates the pool (JAX arrays on the CPU mesh)
-    capabilities: ClassVar[frozenset[str]] = VllmBackend.capabilities | {"allocation"}
-    not_provided: ClassVar[Mapping[str, str]] = {
-        **VllmBackend.not_provided,
-        "hybrid_alignment": (
-            "TpuPlatform.update_block_size_for_backend never runs Platform._align_hybrid_block_size "
-            "(removed by design, tpu-inference #2090 -> #2627): the hybrid page is unified by "
-            "KVCacheManager.update_mamba_page_size_padded, checked by the layer specs and the plan"
-        ),
-    }
+    #: TPUWorker.initialize_from_config allocates the pool (JAX arrays on the CPU mesh), except where
+    #: the engine pins its block count; what tpu-inference refuses to start with is declined
+    declines: ClassVar[Declines] = VllmBackend.declines | Declines({
+        "hybrid_alignment": "TpuPlatform.update_block_size_for_backend never runs "
+        "Platform._align_hybrid_block_size (removed by design, tpu-inference #2090 -> #2627): the hybrid page "
+        "is unified by KVCacheManager.update_mamba_page_size_padded, checked by the layer specs and the plan",
+        ("*", MLA_WITHOUT_NEW_MODEL_DESIGN): MLA_REFUSAL,
+        ("*", NO_JAX_DTYPE): "TPUModelRunner._init_inputs -> tpu_inference.utils.to_jax_dtype raises "
+        "TypeError (data type not understood): the engine cannot start",
+        ("allocation", HYBRID): "KVCacheManager._maybe_set_compact_mamba_num_blocks_override pins "
+        f"num_gpu_blocks_override for a hybrid: {_PINNED}",
+        ("allocation", PINNED_POOL): f"the scenario pins num_gpu_blocks_override: {_PINNED}",
+    })  # fmt: skip
     #: vLLM core's known bugs stay the vllm backend's; tpu-inference's departures are data in
     #: pytest_kvconform/xfails/tpu-inference.toml
-    known_failures: ClassVar[Mapping[str, str]] = {}
+    known_departures: ClassVar[Sequence[Any]] = ()
     #: so the harness builds it in a process of its own (:mod:`...isolated`)
     registers_process_wide: ClassVar[str] = (
         "tpu-inference replaces vLLM's layers (tpu_inference.layers.vllm) and its platform patches "
@@ -333,39 +349,6 @@ class TpuInferenceBackend(VllmBackend):
         prepare()
         return super().platform_for(scenario)
 
-    @contextlib.contextmanager
-    def _scope(self, scenario: Any) -> Iterator[type]:
-        """The vllm backend's scope; what tpu-inference refuses to start with is declined with
-        its own words (:func:`refusal`), not compared as a sizing rejection."""
-        try:
-            with super()._scope(scenario) as platform:
-                yield platform
-        except (TypeError, ValueError) as exc:
-            reason = refusal(exc)
-            if reason is None:
-                raise
-            raise UnsupportedByVllmError(reason) from exc
-
-    def unsupported(self, scenario: Any) -> str | None:
-        """The vllm backend's discards, then what tpu-inference refuses to start with (an MLA
-        model without ``NEW_MODEL_DESIGN=1`` and DP attention, a KV cache dtype it has no JAX
-        type for)."""
-        reason = super().unsupported(scenario)
-        if reason is not None or scenario.is_spec_level:
-            return reason
-        model, rt = scenario.model, scenario.runtime
-        if model.use_mla and not (dict(rt.env).get("NEW_MODEL_DESIGN") and _dp_attention(rt)):
-            return f"tpu-inference refuses it: {MLA_REFUSAL}"
-        prepare()
-        from tpu_inference.utils import to_jax_dtype
-
-        dtype = rt.kv_cache_dtype if rt.kv_cache_dtype != "auto" else model.dtype
-        try:
-            to_jax_dtype(dtype)
-        except TypeError as exc:
-            return f"tpu-inference refuses it: {DTYPE_REFUSAL.format(dtype=dtype, error=exc)}"
-        return None
-
     def make_worker(self, config: Any, distributed_init_method: str) -> Any:
         """Shim: TPUWorker on ``config`` (the worker contract), then what ``TPUWorker.init_device``
         and ``TPUModelRunner.load_model`` make before any spec is asked, and nothing else of them:
@@ -389,16 +372,12 @@ class TpuInferenceBackend(VllmBackend):
         )  # fmt: skip
         total = config.sharding_config.total_devices
         if total > len(jax.devices()):
-            raise UnsupportedByVllmError(
+            raise UnsupportedByVllmError("device_count",
                 f"the mesh needs {total} devices; this CPU JAX has {len(jax.devices())}"
             )
         worker.devices = jax.devices()[:total]
         worker.topology_order_id = worker.rank  # init_device on a single host
-        try:
-            worker.model_runner = runner_cls(config, worker.devices, worker.rank, True, True)
-        except TypeError as exc:  # a KV cache dtype without a JAX type
-            dtype = config.cache_config.cache_dtype
-            raise UnsupportedByVllmError(DTYPE_REFUSAL.format(dtype=dtype, error=exc)) from exc
+        worker.model_runner = runner_cls(config, worker.devices, worker.rank, True, True)
         # TPUModelRunner.load_model -> VllmModelWrapper.__init__: the model's layers are built
         # under a quant_config that carries the runner's mesh
         from tpu_inference.layers.vllm.quantization import get_tpu_quantization_config
@@ -406,29 +385,7 @@ class TpuInferenceBackend(VllmBackend):
         config.quant_config = get_tpu_quantization_config(config, worker.model_runner.mesh)
         return worker
 
-    def allocate_kv_cache(self, plan: Any, num_blocks: int, scenario: Any) -> Any:
-        """TPUWorker.initialize_from_config on vLLM's KVCacheConfig of ``num_blocks`` blocks,
-        unless the engine pins its pool: then vLLM's KVCacheConfig has the pinned count whatever
-        memory it is given, and tpu-inference allocates a Mamba slot pool of its own, so a pool
-        of a few blocks cannot be asked (the full pool is the scenario's budget)."""
-        engine = self.engine(scenario)
-        pinned = engine.config.cache_config.num_gpu_blocks_override
-        if pinned is not None:
-            manager = engine.worker.model_runner.kv_cache_manager
-            who = (
-                "the scenario pins"
-                if scenario.runtime.num_gpu_blocks_override is not None
-                else "KVCacheManager._maybe_set_compact_mamba_num_blocks_override pinned"
-            )
-            raise RuleNotApplicable(
-                f"{who} num_gpu_blocks_override = {pinned} (Mamba pool "
-                f"{manager._mamba_num_blocks} slots per Mamba layer): vLLM's KVCacheConfig has "
-                f"{pinned} blocks whatever memory it is given, a pool of {num_blocks} cannot be asked "
-                f"and the full one is {scenario.runtime.kv_cache_memory_bytes / 2**30:.1f} GiB"
-            )
-        return super().allocate_kv_cache(plan, num_blocks, scenario)
-
 
 __all__ = ["TpuInferenceBackend", "cpu_device_coords", "device_memory", "environment", "hbm_stats", "prepare",
-           "refusal", "tokamax_gmm_v2_absent", "torchax_named_tensor_overloads",
+           "tokamax_gmm_v2_absent", "torchax_named_tensor_overloads",
            "vllm_c_already_loaded"]  # fmt: skip
