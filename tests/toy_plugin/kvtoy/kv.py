@@ -5,9 +5,19 @@ from typing import ClassVar
 
 from kvtoy.device import padded_head_dim
 from pytest_kvconform.backends.base import ReferenceBackend
-from pytest_kvconform.errors import RuleNotApplicable
 from pytest_kvconform.model import PoolAllocation
 from pytest_kvconform.reference.specs import AttentionSpec
+from pytest_kvconform.requirements import MLA, Declines, InputKind
+
+
+def _not_dense_gqa(scenario):
+    model, rt = scenario.model, scenario.runtime
+    attn = model.attention if model is not None else None
+    return attn is None or attn.kind != "gqa" or set(model.layers) != {"A"} or rt.kv_cache_dtype != "auto"
+
+
+#: what the toy runner does not build
+NOT_DENSE_GQA = InputKind("not_dense_gqa", "anything but dense GQA layers in the model dtype", _not_dense_gqa)
 
 
 class ToyBackend(ReferenceBackend):
@@ -15,7 +25,10 @@ class ToyBackend(ReferenceBackend):
     vllm-metal's block split, but never for MLA models."""
 
     name = "toy"
-    capabilities = frozenset({"allocation"})
+    declines = ReferenceBackend.declines.without("allocation") | Declines({
+        ("layer_specs", NOT_DENSE_GQA): "the toy runner builds dense GQA layers in the model dtype only",
+        ("kernel_block", MLA): "MLA models never take the toy paged kernel",
+    })
     #: deliberate delegation: reported as inherited (declared), never as passed
     inherits: ClassVar[dict[str, str]] = {
         "kernel_block": "the toy kernel takes vllm-metal's block split (super())"
@@ -27,11 +40,9 @@ class ToyBackend(ReferenceBackend):
     def notes(self) -> list[str]:
         return [f"toy device: {self.device}"]
 
-    def layer_specs(self, scenario):  # the plugin's get_kv_cache_spec
+    def layer_specs(self, scenario):  # the plugin's get_kv_cache_spec (dense GQA only: declared)
         model, rt = scenario.model, scenario.runtime
-        attn = model.attention if model is not None else None
-        if attn is None or attn.kind != "gqa" or set(model.layers) != {"A"} or rt.kv_cache_dtype != "auto":
-            raise RuleNotApplicable("the toy runner builds dense GQA layers in the model dtype only")
+        attn = model.attention
         block = self.choose_block_size(scenario).block_size
         heads = max(1, attn.num_kv_heads // rt.tensor_parallel_size)  # KV heads replicated below TP
         v = None if attn.head_dim_v in (None, attn.head_dim) else attn.head_dim_v
@@ -40,8 +51,6 @@ class ToyBackend(ReferenceBackend):
         return {f"model.layers.{i}.self_attn": spec for i in range(len(model.layers))}
 
     def kernel_block_size(self, block_size, scenario=None):
-        if scenario is not None and scenario.model is not None and scenario.model.use_mla:
-            raise RuleNotApplicable("MLA models never take the toy paged kernel")
         return super().kernel_block_size(block_size)
 
     def allocate_kv_cache(self, plan, num_blocks, scenario):
@@ -60,6 +69,7 @@ class MlaBilledKV(ToyBackend):
     """A historical bug: its spec bills an MLA layer K+V (2x the latent, vllm-metal before #233)."""
 
     name = "toy-mla-kv"
+    declines = ToyBackend.declines.without("layer_specs")
 
     def layer_specs(self, scenario):
         return {

@@ -57,7 +57,6 @@ class StateAsAttentionWorker(ToyWorker):
 class ToyWorkerVllm(VllmBackend):
     name = "toy-worker"
     worker = ToyWorker
-    capabilities = VllmBackend.capabilities | {"allocation"}
 
 
 class PoolPerTensorVllm(ToyWorkerVllm):
