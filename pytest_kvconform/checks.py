@@ -36,7 +36,7 @@ from .reference.unify import POLICIES
 from .rejections import rejection_kind
 from .requirements import KnownDeparture, known_departures_for
 from .scenario import REJECTS, Scenario
-from .verdict import Departure, NotApplicable, Result, decide
+from .verdict import Departure, NotApplicable, Result, absent_families, decide
 
 
 def distinct(specs: dict[str, Any], kind: type) -> list[Any]:
@@ -393,7 +393,7 @@ def run_check(
     result = decide(
         rule=check.rule, error=error, answers=ledger.answers, oracle=provenance.is_oracle(backend),
         known=entries, inherits=getattr(backend, "inherits", {}), strict=strict,
-        absent=getattr(getattr(backend, "declines", None), "families", dict)(),
+        absent=absent_families(backend),
     )  # fmt: skip
     return record(check.test, check.rule, scenario_id(scenario), result, ledger)
 

@@ -448,28 +448,26 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     if call.when != "call":
         return report
     from .provenance import Ledger, is_oracle
-    from .verdict import decide
+    from .verdict import absent_families, decide
 
     led: Ledger = item.stash.get(_ledger_key, None) or Ledger()
     error = call.excinfo.value if call.excinfo is not None else None
     if report.skipped and error is None:  # skipped before the call (a marker)
         return report
     backend = session.backend
+    generated = getattr(getattr(item, "function", None), "is_hypothesis_test", False)
+    # a generated input departing where an entry's `when` says was matched on that input; the
+    # input hypothesis reports failing matched none
+    known = [k for k in led.known if k.when is None] if generated else led.known
     result = decide(
-        rule=rule, error=error, answers=led.answers, oracle=is_oracle(backend), known=led.known,
+        rule=rule, error=error, answers=led.answers, oracle=is_oracle(backend), known=known,
         inherits=getattr(backend, "inherits", {}), strict=session.strict, test_files=[str(item.path)],
-        generated=led.generated() if getattr(getattr(item, "function", None), "is_hypothesis_test", False) else None,
-        absent=_absent(backend),
+        generated=led.generated() if generated else None,
+        absent=absent_families(backend),
     )  # fmt: skip
     _apply(report, item, result, getattr(error, "__notes__", None))
     _keep(report, item, result, led)
     return report
-
-
-def _absent(backend: Any) -> list[str]:
-    """The rule families ``backend`` declines whole."""
-    declines = getattr(backend, "declines", None)
-    return list(declines.families()) if declines is not None else []
 
 
 def _crashed_setup(report: pytest.TestReport) -> Any:

@@ -51,6 +51,8 @@ PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
         ("parallel_split", r"must be divisible by ?(tensor parallel size|dcp_size|dcp world size|"
          r"`--decode-context-parallel-size`)"),
         ("parallel_split", r"Decode context parallelism for GQA/MQA requires"),
+        # vllm/distributed/utils.py ensure_divisibility (divide: heads or groups over TP ranks)
+        ("parallel_split", r"^\d+ is not divisible by \d+$"),
         ("parallel_split", r"tensor parallel world size does not divide num_groups"),
         ("parallel_split", r"`--decode-context-parallel-size` \(\d+\) exceeds the maximum"),
         ("parallel_split", r"tensor parallel size \d+ must be greater than total num kv heads"),
@@ -84,19 +86,21 @@ BARE_ASSERTS: dict[tuple[str, str], str] = {
 }
 
 
-def _raised_at(error: BaseException) -> tuple[str, str]:
-    """(file, function) of the innermost frame of ``error``, or what its own process recorded
-    (``kvconform_where``: ``file:line in function``, for an exception from a backend's process)."""
+def raised_at(error: BaseException) -> tuple[str, int, str]:
+    """(file, line, function) of the innermost frame of ``error``, or what its own process
+    recorded (``kvconform_where``: ``file:line in function``, for an exception from a backend's
+    process); ``("", 0, "")`` when it has no traceback."""
     crossed = getattr(error, "kvconform_where", None)
     if crossed:
         place, _, function = str(crossed).partition(" in ")
-        return place.rpartition(":")[0], function
+        file, _, line = place.rpartition(":")
+        return file, int(line) if line.isdigit() else 0, function
     tb = error.__traceback__
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
     if tb is None:
-        return "", ""
-    return tb.tb_frame.f_code.co_filename, tb.tb_frame.f_code.co_name
+        return "", 0, ""
+    return tb.tb_frame.f_code.co_filename, tb.tb_lineno, tb.tb_frame.f_code.co_name
 
 
 class Rejected(ValueError):
@@ -125,7 +129,7 @@ def rejection_kind(error: BaseException) -> str | None:
     text = str(error)
     kind = next((kind for kind, pattern in PATTERNS if pattern.search(text)), None)
     if kind is None and isinstance(error, AssertionError):
-        path, function = _raised_at(error)
+        path, _, function = raised_at(error)
         path = path.replace("\\", "/")
         kind = next((k for (file, fn), k in BARE_ASSERTS.items() if path.endswith(file) and fn == function), None)
     return kind

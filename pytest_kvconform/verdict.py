@@ -37,6 +37,7 @@ from typing import Any
 import pytest
 
 from . import provenance
+from .rejections import raised_at
 from .requirements import KnownDeparture
 
 
@@ -101,16 +102,8 @@ class Crashed(pytest.fail.Exception):  # type: ignore[misc,name-defined]
 def where_raised(error: BaseException) -> str:
     """``file:line in function`` of the innermost frame of ``error`` (or what its own process
     recorded, for an exception that crossed from a backend's process)."""
-    crossed = getattr(error, "kvconform_where", None)
-    if crossed:
-        return str(crossed)
-    tb = error.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    if tb is None:
-        return "?"
-    code = tb.tb_frame.f_code
-    return f"{_short_path(code.co_filename)}:{tb.tb_lineno} in {code.co_name}"
+    file, line, function = raised_at(error)
+    return f"{_short_path(file)}:{line} in {function}" if file else "?"
 
 
 def _short_path(path: str) -> str:
@@ -127,6 +120,12 @@ def summary(error: BaseException) -> str:
 
 
 # ----------------------------------------------------------------------------- the decision
+
+
+def absent_families(backend: Any) -> list[str]:
+    """The rule families ``backend`` declines whole (its ``declines``)."""
+    declines = getattr(backend, "declines", None)
+    return list(declines.families()) if declines is not None else []
 
 
 @dataclass(frozen=True)
@@ -213,10 +212,11 @@ def _from_answers(
                           known="by input kind")  # fmt: skip
         if generated.get("declined"):
             return Result(Verdict.DECLINED, "the backend declined every generated input")
-    if rule == "plan":  # the load-bearing steps the backend has (a family it declines whole is not)
-        relevant = [a for a in answers if a[0] in (*LOAD_BEARING, "plan") and a[0] not in absent]
+    had = [a for a in answers if a[0] not in absent]  # a family it declines whole is not its to answer
+    if rule == "plan":  # the load-bearing steps
+        relevant = [a for a in had if a[0] in (*LOAD_BEARING, "plan")]
     else:
-        relevant = [a for a in answers if a[0] == rule] or list(answers)
+        relevant = [a for a in had if a[0] == rule] or had
     if not relevant:
         return Result(Verdict.INHERITED, "the backend was asked nothing this test compares")
     declined = _steps(a for a in relevant if a[2] == provenance.REFERENCE)

@@ -13,7 +13,8 @@ from pytest_kvconform.scenario import packaged_scenario_names
 
 BACKENDS = """
 from pytest_kvconform.backends.base import ReferenceBackend
-from pytest_kvconform.errors import RuleNotApplicable
+from pytest_kvconform.gaps import OfflineGap
+from pytest_kvconform.requirements import Declines
 
 class WrongAlignment(ReferenceBackend):
     name = "wrong-alignment"
@@ -25,11 +26,11 @@ class Empty(ReferenceBackend):
 
 class Partial(ReferenceBackend):
     name = "partial"
-    not_provided = {"one_sequence": "no one-sequence estimate on this device"}
+    declines = ReferenceBackend.declines | Declines({"one_sequence": "no one-sequence estimate on this device"})
     def kv_cache_groups(self, specs, scenario):
-        raise RuleNotApplicable("no grouper for this model")
+        raise OfflineGap("cpu_build", "no grouper on this host")
     def one_sequence_bytes(self, block_size, state_page_padded, scenario):
-        raise AssertionError("must not be called: not provided")
+        raise AssertionError("must not be called: declined")
 """
 
 GRANITE = "granite-4.0-h-tiny"
@@ -54,17 +55,24 @@ def check_json(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dic
     return code, json.loads(out)
 
 
-def test_the_reference_passes_every_check(capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_reference_checks_only_its_expectations(capsys: pytest.CaptureFixture[str]) -> None:
+    """The reference against itself is a self-check of the scenario's ``[expect]`` numbers, not
+    a matrix of the reference agreeing with itself."""
     code, doc = check_json(capsys, GRANITE)
     assert code == 0
-    assert doc["schema"] == "kvconform-report/1" and doc["producer"] == "kvconform check"
-    assert {r["outcome"] for r in doc["results"]} == {"passed"}
-    # Granite 4.0-H is a hybrid with state layers: every per-scenario family applies, none skips
-    assert {r for r in doc["rules"] if doc["rules"][r]["passed"]} == {
+    assert (doc["schema"], doc["producer"], doc["mode"]) == ("kvconform-report/2", "kvconform check", "self-check")
+    assert [(r["test"], r["verdict"]) for r in doc["results"]] == [(f"test_expectations[{GRANITE}]", "agreed")]
+    assert doc["reference"] == {"vllm_release": "0.33", "selected_by": "--kvconform-vllm"}
+
+
+def test_every_check_of_a_hybrid_applies(backends: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Granite 4.0-H is a hybrid with state layers: every per-scenario family is asked, none is
+    not applicable (an empty subclass answers each with the reference's code)."""
+    _, doc = check_json(capsys, GRANITE, "--backend", "clicheck:Empty")
+    assert {r for r in doc["rules"] if doc["rules"][r]["inherited"]} == {
         "hybrid_alignment", "block_size", "state_page", "layer_specs", "attention_page", "max_memory",
         "unification", "grouping", "memory", "one_sequence", "kernel_block", "plan",
     }  # fmt: skip
-    assert doc["reference"] == {"vllm_release": "0.33", "selected_by": "--kvconform-vllm"}
 
 
 def test_a_departure_exits_1_and_names_scenario_rule_field_and_values(
@@ -75,7 +83,7 @@ def test_a_departure_exits_1_and_names_scenario_rule_field_and_values(
     # 806400 / 2048 = 393.75 tokens: at alignment 16 the block is 400, at 32 it is 416.
     code, out, _ = run(capsys, "check", GRANITE, "--backend", "clicheck:WrongAlignment", "--vllm=0.33")
     assert code == 1
-    assert "FAILED    granite-4.0-h-tiny [hybrid_alignment] block_size: reference 400, backend 416" in out
+    assert "DEPARTED  granite-4.0-h-tiny [hybrid_alignment] block_size: reference 400, backend 416" in out
     # state layers do not depend on the attention block: that rule is inherited, never "passed"
     assert "INHERITED granite-4.0-h-tiny [state_page]" in out
     code, doc = check_json(capsys, GRANITE, "--backend", "clicheck:WrongAlignment")
@@ -87,22 +95,24 @@ def test_a_departure_exits_1_and_names_scenario_rule_field_and_values(
 def test_an_empty_backend_is_inherited_everywhere(backends: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, doc = check_json(capsys, GRANITE, "--backend", "clicheck:Empty")
     assert code == 0
-    assert {r["outcome"] for r in doc["results"]} == {"inherited"}
-    assert doc["totals"]["passed"] == 0
+    # the plan's [expect] numbers are compared with the reference's code answering for it
+    assert {r["verdict"] for r in doc["results"]} == {"inherited"}
+    assert doc["totals"]["agreed"] == 0 and doc["totals"]["inherited"] == len(doc["results"])
 
 
-def test_not_provided_and_not_applicable_are_skipped_with_the_reason(
+def test_a_declined_rule_and_an_offline_gap_are_declined_with_the_reason(
     backends: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     code, doc = check_json(capsys, GRANITE, "--backend", "clicheck:Partial")
     by_rule = {r["rule"]: r for r in doc["results"]}
-    assert by_rule["one_sequence"]["outcome"] == "skipped"
-    assert (
-        "does not provide rule 'one_sequence': no one-sequence estimate" in by_rule["one_sequence"]["message"]
-    )
-    assert by_rule["grouping"]["outcome"] == "skipped"
-    assert "cannot answer this input: no grouper for this model" in by_rule["grouping"]["message"]
-    assert code == 0  # the plan takes the reference's groups for the step the backend declines
+    assert by_rule["one_sequence"]["verdict"] == "declined"
+    assert "does not provide one_sequence: no one-sequence estimate" in by_rule["one_sequence"]["message"]
+    assert by_rule["grouping"]["verdict"] == "declined"
+    assert "cannot run this here: cpu_build" in by_rule["grouping"]["message"]
+    assert "no grouper on this host" in by_rule["grouping"]["message"]
+    # the plan takes the reference's groups for the step the backend cannot run: not agreed
+    assert [r["verdict"] for r in doc["results"] if r["rule"] == "plan"] == ["declined"] * 2
+    assert code == 0
 
 
 def test_scenarios_from_files_and_folders(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -126,7 +136,7 @@ def test_check_writes_a_markdown_report_with_the_departure(
     assert code == 1
     text = report.read_text()
     assert "| granite-4.0-h-tiny | hybrid_alignment | block_size | 400 | 416 |" in text
-    assert "| rule family | passed | inherited | failed |" in text
+    assert "| rule family | agreed | inherited | declined | departed | known | crashed | n/a |" in text
 
 
 @pytest.mark.parametrize(

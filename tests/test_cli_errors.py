@@ -11,12 +11,12 @@ from pytest_kvconform.cli import main
 
 BROKEN = """
 from pytest_kvconform.backends.base import ReferenceBackend
-from pytest_kvconform.errors import RuleNotApplicable
+from pytest_kvconform.gaps import OfflineGap
 
 class Declines(ReferenceBackend):
     name = "declines"
     def layer_specs(self, scenario):
-        raise RuleNotApplicable("no code path for this model")
+        raise OfflineGap("cpu_build", "no code path for this model on this host")
     def plan(self, scenario):
         return self.layer_specs(scenario)
 
@@ -51,11 +51,11 @@ def broken(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         (["plan", "granite-4.0-h-tiny", "--backend-option", "x"], "kvconform: backend option 'x': expected"),
         (["plan", "granite-4.0-h-tiny", "--backend-option", "a=1"], "kvconform: backend 'reference' takes"),
         (["plan", "granite-4.0-h-tiny", "--backend", "clibroken:Declines"],
-         "kvconform: backend 'declines' cannot answer 'ibm-granite/granite-4.0-h-tiny': no code path"),
+         "kvconform: backend 'declines' cannot run 'ibm-granite/granite-4.0-h-tiny' here: cpu_build: "),
         (["plan", "granite-4.0-h-tiny", "--backend", "clibroken:Crashes"],
          "kvconform: backend 'crashes' raised on 'ibm-granite/granite-4.0-h-tiny': RuntimeError: kernel"),
         (["plan", "granite-4.0-h-tiny", "--backend", "clibroken:NeedsGpu"],
-         "kvconform: backend 'clibroken:NeedsGpu' failed to start: OSError('no device')"),
+         "kvconform: backend 'clibroken:NeedsGpu' failed to start: OSError: no device"),
     ],
 )  # fmt: skip
 def test_error_is_one_line_and_exit_2(

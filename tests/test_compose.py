@@ -16,18 +16,24 @@ from typing import Any, ClassVar
 import pytest
 
 from pytest_kvconform.backends.base import RULE_FAMILIES, ReferenceBackend
-from pytest_kvconform.errors import RuleError, RuleNotApplicable
+from pytest_kvconform.requirements import Declines
+from pytest_kvconform.errors import RuleError
+from pytest_kvconform.gaps import OfflineGap
 from pytest_kvconform.model import BlockChoice
 from pytest_kvconform.reference import plan as reference_plan
 from pytest_kvconform.reference.specs import MambaSpec
 from pytest_kvconform.regressions import REGRESSION_SCENARIOS
+from pytest_kvconform.rejections import Rejected
 from pytest_kvconform.scenario import Scenario, load_scenario
 
 GRANITE = "granite-4.0-h-tiny"  # hybrid: block 400, 10 groups of 4 (4 attention, 36 Mamba2 layers)
 
 
 def backend_overriding(method: str, fn: Callable[..., Any]) -> ReferenceBackend:
-    return type(f"Override_{method}", (ReferenceBackend,), {method: fn, "name": f"override-{method}"})()
+    """A backend answering ``method`` with ``fn`` (and no longer declining its family)."""
+    family = next(f for f, methods in RULE_FAMILIES.items() if method in methods)
+    body = {method: fn, "name": f"override-{method}", "declines": ReferenceBackend.declines.without(family)}
+    return type(f"Override_{method}", (ReferenceBackend,), body)()
 
 
 def _more_conv_rows(self: Any, scenario: Scenario) -> Any:
@@ -100,9 +106,10 @@ OVERRIDES: dict[str, tuple[str, Callable[..., Any], str]] = {
 }  # fmt: skip
 
 #: Rule methods no plan field reads: a dtype table, the block-table layout, the allocation of an
-#: already planned pool and a vLLM platform's hook checks (they have suites of their own).
+#: already planned pool, a vLLM platform's hook checks and the kernel's block alignment (the
+#: scenario a backend is served at; they have suites of their own).
 NOT_IN_A_PLAN = {"kv_cache_dtype_bytes", "build_block_tables", "allocate_kv_cache", "check_kv_cache_config",
-                 "engine", "rerun_hooks"}  # fmt: skip
+                 "engine", "rerun_hooks", "kernel_block_alignment"}  # fmt: skip
 
 
 def test_every_rule_method_is_covered() -> None:
@@ -121,26 +128,28 @@ def test_overriding_one_rule_moves_the_plan(method: str) -> None:
     assert got[field] != expected[field], f"{method}: plan.{field} did not move ({got[field]})"
 
 
-def test_a_declined_step_takes_the_reference_answer_and_is_traced() -> None:
+def test_an_offline_gap_takes_the_reference_answer_and_is_traced() -> None:
     class Declines(ReferenceBackend):
         name = "declines"
 
         def kernel_block_size(self, block_size: int, scenario: Any = None) -> int:
-            raise RuleNotApplicable("this model never takes the paged kernel path")
+            raise OfflineGap("cpu_build", "this host has no paged kernel")
 
     scenario = load_scenario(GRANITE)
     trace = Declines().trace(scenario)
     assert trace.plan == reference_plan(scenario)
-    [declined] = trace.by("reference")
-    assert (declined.family, declined.method) == ("kernel_block", "kernel_block_size")
-    assert declined.reason == "not applicable: this model never takes the paged kernel path"
+    # the reference declares no platform and no pool: those steps are the reference's too
+    assert {s.family for s in trace.by("reference")} == {"platform", "kernel_block", "allocation"}
+    [declined] = [s for s in trace.by("reference") if s.family == "kernel_block"]
+    assert declined.method == "kernel_block_size"
+    assert declined.reason.startswith("cannot run here: ") and "this host has no paged kernel" in declined.reason
     assert {s.method for s in trace.by("inherited")} >= {"layer_specs", "kv_cache_groups", "check_memory"}
 
 
-def test_not_provided_rule_is_answered_by_the_reference() -> None:
+def test_a_declined_rule_is_answered_by_the_reference() -> None:
     class NoEstimate(ReferenceBackend):
         name = "no-estimate"
-        not_provided: ClassVar[dict[str, str]] = {"one_sequence": "no such rule on this hardware"}
+        declines = Declines({"one_sequence": "no such rule on this hardware"})
 
         def one_sequence_bytes(self, block_size: int, padded: Any, scenario: Any) -> int:
             raise AssertionError("must not be called")
@@ -148,8 +157,8 @@ def test_not_provided_rule_is_answered_by_the_reference() -> None:
     scenario = load_scenario(GRANITE)
     trace = NoEstimate().trace(scenario)
     assert trace.plan == reference_plan(scenario)
-    assert [str(s) for s in trace.by("reference")] == [
-        "one_sequence.one_sequence_bytes: reference (not provided: no such rule on this hardware)"
+    assert [str(s) for s in trace.by("reference") if s.family == "one_sequence"] == [
+        "one_sequence.one_sequence_bytes: reference (does not provide one_sequence: no such rule on this hardware)"
     ]
 
 
@@ -158,7 +167,7 @@ def test_a_rejection_is_the_plans_rejection_and_kernel_block_is_zero() -> None:
         name = "no-kernel"
 
         def kernel_block_size(self, block_size: int, scenario: Any = None) -> int:
-            raise ValueError("no kernel block divides it")
+            raise Rejected("unsupported_block_size", "no kernel block divides it")
 
     plan = NoKernel().plan(load_scenario(GRANITE))
     assert (plan.kernel_block_size, plan.kernel_blocks_per_block) == (0, 0)
@@ -167,10 +176,27 @@ def test_a_rejection_is_the_plans_rejection_and_kernel_block_is_zero() -> None:
         name = "rejects"
 
         def layer_specs(self, scenario: Scenario) -> Any:
-            raise NotImplementedError("cannot unify")
+            raise NotImplementedError(
+                "The page size of the layer is not divisible by the maximum page size. "
+                "Cannot unify by adjusting block_size."
+            )  # vLLM's unify_kv_cache_spec_page_size
 
-    with pytest.raises(NotImplementedError, match="cannot unify"):
+    with pytest.raises(NotImplementedError, match="Cannot unify"):
         RejectsSpecs().plan(load_scenario(GRANITE))
+
+
+def test_an_error_of_no_rejection_kind_is_a_crash_naming_the_rule() -> None:
+    """A ``ValueError`` whose message is no refusal vLLM knows is not a rejection: it used to be
+    the plan's answer, so any backend raising any ValueError agreed with a rejecting reference."""
+
+    class NoKernel(ReferenceBackend):
+        name = "no-kernel"
+
+        def kernel_block_size(self, block_size: int, scenario: Any = None) -> int:
+            raise ValueError("no kernel block divides it")
+
+    with pytest.raises(RuleError, match=r"^\[kernel_block\] backend 'no-kernel'.kernel_block_size raised"):
+        NoKernel().plan(load_scenario(GRANITE))
 
 
 def test_anything_else_is_a_rule_error_naming_the_rule() -> None:

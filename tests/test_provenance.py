@@ -139,20 +139,20 @@ def test_a_profiler_already_installed_is_put_back() -> None:
         sys.setprofile(None)
 
 
-def test_a_super_only_backend_has_nothing_passed_in_kvconform_check() -> None:
+def test_a_super_only_backend_has_nothing_agreed_in_kvconform_check() -> None:
     scenarios = [load_scenario(n) for n in packaged_scenario_names()]
     records = run_checks(SuperOnly(), ReferenceBackend(), scenarios)
-    outcomes = {r["outcome"] for r in records}
-    assert "passed" not in outcomes and "inherited" in outcomes
-    assert all(r["answers"].get("backend", 0) == 0 for r in records)
-    # the reference checked against itself passes (its answers are its own)
-    assert {r["outcome"] for r in run_checks(ReferenceBackend(), ReferenceBackend(), scenarios[:3])} <= {
-        "passed",
-        "skipped",
+    verdicts = {r["verdict"] for r in records}
+    assert "agreed" not in verdicts and "inherited" in verdicts
+    assert all(r["answers"].get("own", 0) == 0 for r in records)
+    # the reference checked against itself runs only its independent checks ([expect]): agreed
+    assert {r["verdict"] for r in run_checks(ReferenceBackend(), ReferenceBackend(), scenarios[:3])} <= {
+        "agreed",
+        "n/a",
     }
 
 
-def test_a_super_only_backend_shows_0_passed_in_the_suite(pytester: pytest.Pytester) -> None:
+def test_a_super_only_backend_shows_0_agreed_in_the_suite(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(superonly=SUPER_ONLY_MODULE)
     pytester.syspathinsert()
     report = pytester.path / "report.json"
@@ -162,7 +162,7 @@ def test_a_super_only_backend_shows_0_passed_in_the_suite(pytester: pytest.Pytes
     )  # fmt: skip
     assert result.ret == 0, result.stdout.str()
     document = json.loads(report.read_text())
-    assert document["totals"]["passed"] == 0
+    assert document["totals"]["agreed"] == 0
     assert document["totals"]["inherited"] > 20
     assert all(a["own"] == 0 for a in document["answers"].values())
     assert document["answers"]["layer_specs"]["inherited"] > 0
@@ -181,7 +181,7 @@ def test_kvconform_check_reports_inherited(capsys: pytest.CaptureFixture[str], t
         sys.path.remove(str(tmp_path))
     document = json.loads(capsys.readouterr().out)
     assert code == 0
-    assert document["totals"]["passed"] == 0 and document["totals"]["inherited"] > 0
+    assert document["totals"]["agreed"] == 0 and document["totals"]["inherited"] > 0
 
 
 def test_explain_shows_each_steps_provenance(capsys: pytest.CaptureFixture[str]) -> None:

@@ -20,7 +20,14 @@ from typing import Any
 
 import pytest
 
-from pytest_kvconform.conformance import NotApplicable, assert_same, call_rule, decline_if_declared, outcome
+from pytest_kvconform.conformance import (
+    NotApplicable,
+    assert_same,
+    call_rule,
+    decline_if_declared,
+    outcome,
+    served,
+)
 from pytest_kvconform.reference.hybrid import block_choice, hybrid_alignment
 from pytest_kvconform.regressions import one_sequence_bytes
 from pytest_kvconform.scenario import Scenario
@@ -148,14 +155,16 @@ def _attention_matches_dense(
     np.testing.assert_allclose(np.array(out.astype(mx.float32)), expected, atol=atol, rtol=rtol)
 
 
-def _reference_plan(kv_backend: Any, kv_reference: Any, scenario: Scenario) -> Any:
-    """The reference's plan to allocate, once the backend is known to allocate for ``scenario``;
-    a plan the reference rejects has nothing to allocate."""
+def _reference_plan(kv_backend: Any, kv_reference: Any, scenario: Scenario) -> tuple[Any, Scenario]:
+    """The reference's plan to allocate, once the backend is known to allocate for ``scenario``,
+    and the scenario as the backend serves it (at its kernel's block alignment, which the
+    reference plans at too); a plan the reference rejects has nothing to allocate."""
     decline_if_declared(kv_backend, "allocation", scenario)
+    scenario = served(kv_backend, scenario)
     answer = outcome(kv_reference, "plan", scenario=scenario)
     if answer[0] != "ok":
         raise NotApplicable(f"the reference rejects the plan ({answer[1]}): no pool to allocate")
-    return answer[1]
+    return answer[1], scenario
 
 
 def _pool(allocation: Any) -> dict[str, int]:
@@ -170,7 +179,7 @@ def test_pool_holds_exactly_the_planned_blocks(
     """The backend allocates the reference's plan at a few blocks (the full pool is gigabytes):
     what it holds (each storage once) is ``num_blocks * bytes_per_block``, and its bytes per block
     are the plan's."""
-    plan = _reference_plan(kv_backend, kv_reference, kv_scenario)
+    plan, kv_scenario = _reference_plan(kv_backend, kv_reference, kv_scenario)
     num_blocks = 3
     expected = kv_reference.allocate_kv_cache(plan, num_blocks, scenario=kv_scenario)
     got = call_rule(kv_backend, "allocate_kv_cache", plan, num_blocks, scenario=kv_scenario)
@@ -184,7 +193,7 @@ def test_config_larger_than_the_pool_is_rejected(
     """vllm-metal#527: an engine KV cache config may use the pool's blocks or fewer, never more
     (``--num-gpu-blocks-override 999999`` against 1846 allocated oversubscribed 541x): the backend
     accepts 2 and 3 blocks of a pool of 3 and rejects 4 as the reference does (``oversized_config``)."""
-    plan = _reference_plan(kv_backend, kv_reference, kv_scenario)
+    plan, kv_scenario = _reference_plan(kv_backend, kv_reference, kv_scenario)
     allocation = call_rule(kv_backend, "allocate_kv_cache", plan, 3, scenario=kv_scenario)
     for requested in (2, 3, 4):
         key = f"check_kv_cache_config({requested} of 3 blocks)"

@@ -29,9 +29,11 @@ from pytest_kvconform.conformance import (
     decline_if_declared,
     outcome,
     plan_view,
+    served,
 )
 from pytest_kvconform.scenario import Scenario, scenario_from_dict
 from pytest_kvconform.strategies import exercised_rules, mla_sliding_spec_dicts, scenario_dicts, scenario_toml
+from pytest_kvconform.verdict import Verdict, absent_families, decide
 
 # Inputs a backend declines are counted (the summary's "gen. declined" column); hypothesis's
 # filter_too_much health check still fails a backend that declines nearly all.
@@ -40,16 +42,19 @@ _settings = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow]
 
 @contextlib.contextmanager
 def generated(data: dict[str, Any], backend: Any, rule: str) -> Iterator[Scenario]:
-    """One generated input of a ``rule`` test as a scenario: declined or not modelled by the
-    reference, it is counted and rejected (its answers dropped from the test's record); departing
-    where a known departure of its kind says, it is counted and passes; compared, it is counted
-    with the rules it reached. A backend that declines the whole rule declines the test."""
+    """One generated input of a ``rule`` test as a scenario, at the backend's kernel block
+    alignment: declined or not modelled by the reference, or answered in part by the reference's
+    code (a step declined or inherited: the input's own verdict is not ``agreed``), it is counted
+    and rejected (its answers dropped from the test's record); departing where a known departure
+    of its kind says, it is counted and passes; compared, it is counted with the rules it
+    reached. A backend that declines the whole rule declines the test."""
     decline_if_declared(backend, rule)
     note("counterexample scenario (kv-scenario/1):\n" + scenario_toml(data))
     scenario = scenario_from_dict(data, "<hypothesis>")
     ledger = provenance.current()
     asked = len(ledger.answers)
     try:
+        scenario = served(backend, scenario)  # at the backend's kernel block alignment
         yield scenario
     except Declined as exc:
         del ledger.answers[asked:]
@@ -63,13 +68,21 @@ def generated(data: dict[str, Any], backend: Any, rule: str) -> Iterator[Scenari
                      None)  # fmt: skip
         if known is None:
             raise
+        del ledger.answers[asked:]  # counted as a known departure, not compared
         ledger.known_departures[known.reason] += 1
     else:
+        mine = decide(rule=rule, error=None, answers=ledger.answers[asked:], absent=absent_families(backend))
+        if mine.verdict is not Verdict.AGREED and not provenance.is_oracle(backend):
+            del ledger.answers[asked:]  # not the backend's own code on this input: not compared
+            ledger.declined[mine.message] += 1
+            reject()
         ledger.compared += 1
         ledger.exercised.update(exercised_rules(scenario))
 
 
-def _both(kv_backend: Any, kv_reference: Any, method: str, *inputs: Any, scenario: Scenario) -> tuple[Any, Any]:
+def _both(
+    kv_backend: Any, kv_reference: Any, method: str, *inputs: Any, scenario: Scenario
+) -> tuple[Any, Any]:
     """(reference outcome, backend outcome): ``("ok", answer)`` or ``("rejects", kind)``."""
     expected = outcome(kv_reference, method, *inputs, scenario=scenario)
     return expected, outcome(kv_backend, method, *inputs, scenario=scenario)
@@ -112,7 +125,9 @@ def test_layer_specs_generated(kv_backend: Any, kv_reference: Any, data: dict[st
 @given(data=scenario_dicts())
 def test_grouping_generated(kv_backend: Any, kv_reference: Any, data: dict[str, Any]) -> None:
     with generated(data, kv_backend, "grouping") as s:
-        expected, got = _both(kv_backend, kv_reference, "kv_cache_groups", _specs(kv_reference, s), scenario=s)
+        expected, got = _both(
+            kv_backend, kv_reference, "kv_cache_groups", _specs(kv_reference, s), scenario=s
+        )
         assert_same_outcome("grouping", kv_backend, s, "groups", expected, got)
 
 
@@ -126,7 +141,9 @@ def test_grouping_of_mla_and_windows_generated(
     registers them): pages unification refuses take vLLM's full-allocation fallback (0.27+,
     reference/grouping.py), the others group as usual."""
     with generated(data, kv_backend, "grouping") as s:
-        expected, got = _both(kv_backend, kv_reference, "kv_cache_groups", _specs(kv_reference, s), scenario=s)
+        expected, got = _both(
+            kv_backend, kv_reference, "kv_cache_groups", _specs(kv_reference, s), scenario=s
+        )
         assert_same_outcome("grouping", kv_backend, s, "groups", expected, got)
 
 

@@ -29,6 +29,14 @@ BASES = {
 }
 
 
+#: kv_cache_dtype -> why no attention backend of a CPU build of vLLM serves it, on any platform
+CPU_BUILD_LACKS = {
+    "nvfp4": "nvfp4 is packed by FlashInfer, which a CPU build of vLLM lacks",
+    "nvfp4_4over6": "nvfp4_4over6 is packed by FlashInfer, which a CPU build of vLLM lacks",
+    "ultraquant_4bit": "the UltraQuant backend imports Triton kernels, which a CPU build lacks",
+}
+
+
 def base_for(kv_cache_dtype: str | None, use_mla: bool) -> str:
     """Which of vLLM's backends serves a layer, as the GPU engine's selection would for sizing."""
     dtype = kv_cache_dtype or "auto"
@@ -36,10 +44,8 @@ def base_for(kv_cache_dtype: str | None, use_mla: bool) -> str:
         return "CPU_MLA"
     if dtype.startswith("turboquant_"):
         return "TURBOQUANT"
-    if dtype in ("nvfp4", "nvfp4_4over6"):
-        raise UnsupportedByVllmError("cpu_build", f"{dtype} is packed by FlashInfer, which a CPU build of vLLM lacks")
-    if dtype == "ultraquant_4bit":
-        raise UnsupportedByVllmError("cpu_build", "the UltraQuant backend imports Triton kernels, which a CPU build lacks")
+    if dtype in CPU_BUILD_LACKS:
+        raise UnsupportedByVllmError("cpu_build", CPU_BUILD_LACKS[dtype])
     return "TRITON_ATTN"
 
 

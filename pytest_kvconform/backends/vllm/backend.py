@@ -32,6 +32,7 @@ from ..base import ReferenceBackend
 from . import hybrid, layers, planning
 from . import specs as vllm_specs
 from .api import kernel_alignment, kv_cache_dtypes
+from .attention import CPU_BUILD_LACKS
 from .offline import CACHES, clear_caches, config_json, engine_defaults, register_kv_cache_dtypes, vllm_config
 from .platform import (
     CPU_FEATURES,
@@ -132,9 +133,13 @@ class VllmBackend(ReferenceBackend):
         KnownDeparture("hybrid_alignment", "assert (got.attn_page_bytes_per_token, got.state_page_bytes) == *",
                        _B2_MLA_HYBRID, test="test_vllm_b2_kimi_linear_block_uses_the_packed_page"),
         KnownDeparture("hybrid_alignment", "block_size", _B2_MLA_HYBRID, when=PACKED_MLA_HYBRID),
+        KnownDeparture("hybrid_alignment", "block_size", _LFM2_SPECULATIVE_ROWS, when=LFM2_SPECULATIVE),
         KnownDeparture("layer_specs", "layer * (attention): block_size", _LFM2_SPECULATIVE_ROWS, when=LFM2_SPECULATIVE),
         KnownDeparture("layer_specs", "layer_specs", _LFM2_SPECULATIVE_ROWS, when=LFM2_SPECULATIVE,
                        value="rejects: invalid_padding"),
+        # the block sized for too few rows moves whatever the plan derives from it (at a kernel
+        # alignment other than 16 the one-sequence bytes first)
+        KnownDeparture("plan", "*", _LFM2_SPECULATIVE_ROWS, when=LFM2_SPECULATIVE),
     )  # fmt: skip
     #: The vLLM platform class whose config hooks run: None is vLLM core's neutral ``Platform``;
     #: a class or ``"package.module:Class"`` names another (a plugin's own).
@@ -225,7 +230,8 @@ class VllmBackend(ReferenceBackend):
     def offline_gap(self, scenario: Scenario) -> None:
         """Raise the :class:`~pytest_kvconform.gaps.OfflineGap` that keeps vLLM from answering for
         ``scenario`` on this host, if any: a speculative method whose draft is a checkpoint of its
-        own, a kv_cache_dtype this release lacks, and ngram with async scheduling (set, or the
+        own, a kv_cache_dtype this release lacks or only a GPU kernel library serves
+        (:data:`.attention.CPU_BUILD_LACKS`, whatever the platform), and ngram with async scheduling (set, or the
         release's default) on a build without Triton (the V1 runner it falls back to refuses the
         pair; the GPU engine's V2 runner keeps it)."""
         method = speculative_method(scenario)
@@ -234,6 +240,8 @@ class VllmBackend(ReferenceBackend):
         dtype = scenario.runtime.kv_cache_dtype
         if dtype not in dict(scenario.runtime.registered_kv_cache_dtypes) and dtype not in kv_cache_dtypes():
             raise UnsupportedByVllmError("release_lacks", f"vLLM {self.version} has no kv_cache_dtype {dtype!r}")
+        if dtype in CPU_BUILD_LACKS and not (scenario.model is not None and scenario.model.use_mla):
+            raise UnsupportedByVllmError("cpu_build", CPU_BUILD_LACKS[dtype])
         rt = scenario.runtime
         async_scheduling = rt.max_concurrent_batches == 2 or (
             "max_concurrent_batches" in rt.unset

@@ -1,33 +1,57 @@
-"""The toy plugin's own vLLM Platform, driven through pytest-kvconform's vllm backend."""
+"""A toy vLLM hardware plugin's Platform: CPU-hosted, its paged kernel serves blocks of 8 tokens."""
 
+from vllm.platforms.cpu import CpuPlatform
 from vllm.platforms.interface import Platform, PlatformEnum
+from vllm.v1.attention.backend import MultipleOf
+from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend
+from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
+from vllm.v1.attention.backends.turboquant_attn import TurboQuantAttentionBackend
 
 from pytest_kvconform.backends.vllm import VllmBackend
 
 
-class ToyPlatform(Platform):
-    """A CPU-hosted platform whose config hook re-pads the Mamba page on every call (the
-    vllm-gaudi#1708 class of bug: the hook is not idempotent)."""
+class ToyKernel:
+    """The toy kernel serves any block of a multiple of 8 tokens (vLLM core's Triton: of 16)."""
 
-    _enum = PlatformEnum.CPU
-    device_name = "toy"
-    device_type = "cpu"
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None):
+        return [MultipleOf(8)]
+
+    @classmethod
+    def supports_block_size(cls, block_size):
+        return block_size is None or block_size % 8 == 0
+
+
+class ToyAttention(ToyKernel, TritonAttentionBackend): ...
+class ToyMLA(ToyKernel, CPUMLABackend): ...
+class ToyTurboQuant(ToyKernel, TurboQuantAttentionBackend): ...
+
+
+class ToyPlatform(Platform):
+    _enum = PlatformEnum.CPU  # vLLM's CPU kernels run the model's layers on this host
+    device_name = device_type = "cpu"
+    dispatch_key = "CPU"
 
     @classmethod
     def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
-        return "vllm.v1.attention.backends.triton_attn.TritonAttentionBackend"
+        if attn_selector_config.use_mla:
+            return "kvtoy.platform.ToyMLA"
+        if (attn_selector_config.kv_cache_dtype or "").startswith("turboquant_"):
+            return "kvtoy.platform.ToyTurboQuant"
+        return "kvtoy.platform.ToyAttention"
+
+    @classmethod
+    def get_mla_prefill_backend_cls(cls, mla_selector_config):
+        return CpuPlatform.get_mla_prefill_backend_cls(mla_selector_config)
 
     @classmethod
     def support_hybrid_kv_cache(cls):
         return True
 
-    @classmethod
-    def check_and_update_config(cls, vllm_config):
-        cache = vllm_config.cache_config
-        if cache.mamba_page_size_padded:
-            cache.mamba_page_size_padded = cache.mamba_page_size_padded * 2
-
 
 class ToyVllm(VllmBackend):
+    """The vllm backend on the toy's Platform and Worker (entry point ``toy-vllm``)."""
+
     name = "toy-vllm"
     platform = ToyPlatform
+    worker = "kvtoy.worker:ToyWorker"
