@@ -258,7 +258,9 @@ def decide(
     if known:
         result = _with_known(result, known)
     if strict and result.verdict is Verdict.INHERITED:
-        families = sorted({a[0] for a in answers if a[2] == provenance.INHERITED} or {rule})
+        # a plan: the load-bearing steps the reference's code answered; another test: its rule
+        families = sorted({a[0] for a in answers if a[2] == provenance.INHERITED and a[0] in LOAD_BEARING}
+                          if rule == "plan" else ()) or [rule]  # fmt: skip
         undeclared = [f for f in families if f not in (inherits or {})]
         if undeclared:
             return Result(result.verdict, result.message, strict_failure=(

@@ -43,9 +43,8 @@ _settings = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow]
 @contextlib.contextmanager
 def generated(data: dict[str, Any], backend: Any, rule: str) -> Iterator[Scenario]:
     """One generated input of a ``rule`` test as a scenario, at the backend's kernel block
-    alignment: declined or not modelled by the reference, or answered in part by the reference's
-    code (a step declined or inherited: the input's own verdict is not ``agreed``), it is counted
-    and rejected (its answers dropped from the test's record); departing where a known departure
+    alignment: declined or not modelled by the reference, or a step of it declined (the reference
+    answered that step), it is counted and rejected (its answers dropped from the test's record); departing where a known departure
     of its kind says, it is counted and passes; compared, it is counted with the rules it
     reached. A backend that declines the whole rule declines the test."""
     decline_if_declared(backend, rule)
@@ -72,8 +71,8 @@ def generated(data: dict[str, Any], backend: Any, rule: str) -> Iterator[Scenari
         ledger.known_departures[known.reason] += 1
     else:
         mine = decide(rule=rule, error=None, answers=ledger.answers[asked:], absent=absent_families(backend))
-        if mine.verdict is not Verdict.AGREED and not provenance.is_oracle(backend):
-            del ledger.answers[asked:]  # not the backend's own code on this input: not compared
+        if mine.verdict is Verdict.DECLINED and not provenance.is_oracle(backend):
+            del ledger.answers[asked:]  # a step declined on this input: the reference's, not compared
             ledger.declined[mine.message] += 1
             reject()
         ledger.compared += 1
