@@ -120,8 +120,17 @@ def unify_page_sizes(backend: Any, reference: Any, scenario: Scenario) -> None:
         specs = reference_specs(reference, s)
         expected = outcome(reference, "unify_page_sizes", specs, scenario=s)
         got = outcome(backend, "unify_page_sizes", specs, scenario=s)
-        assert_same_outcome("unification", backend, s, policy, expected, got,
-                            lambda unified: {policy: {k: (v.block_size, v.page_size_bytes) for k, v in unified.items()}})
+        assert_same_outcome(
+            "unification",
+            backend,
+            s,
+            policy,
+            expected,
+            got,
+            lambda unified, policy=policy: {
+                policy: {k: (v.block_size, v.page_size_bytes) for k, v in unified.items()}
+            },
+        )
 
 
 def reference_groups_or_skip(reference: Any, specs: dict[str, Any], scenario: Scenario) -> None:
@@ -359,9 +368,7 @@ def reference_block(reference: Any, scenario: Scenario) -> int | None:
     return None if answer.error is not None else answer.value.block_size
 
 
-def record(
-    test: str, rule: str, scenario: str, result: Result, ledger: provenance.Ledger
-) -> dict[str, Any]:
+def record(test: str, rule: str, scenario: str, result: Result, ledger: provenance.Ledger) -> dict[str, Any]:
     """One result of the report (``results``), as the suites and ``kvconform check`` write it."""
     return {"test": test, "rule": rule, "scenario": scenario, "verdict": result.verdict.value,
             "outcome": result.outcome, "message": result.strict_failure or result.message,

@@ -202,9 +202,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     from .backends.registry import BackendError, parse_options
     from .checks import run_checks
     from .conformance import load_xfails
-    from .report import format_matrix, matrix_of, report_document, write_report
-
     from .provenance import is_oracle
+    from .report import format_matrix, matrix_of, report_document, write_report
 
     scenarios = _scenarios(args.scenarios)
     backend, reference, (release, selected_by) = _judged(args)
@@ -448,8 +447,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the report document (kvconform-report/1)")
     p.add_argument("--report", metavar="PATH", help="also write the report: PATH.json, else Markdown")
     p.add_argument("--xfails", metavar="PATH", help="TOML file of known departures, as --kvconform-xfails")
-    p.add_argument("--strict", action="store_true",
-                   help="fail an inherited check of a family the backend does not declare, as --kvconform-strict")
+    p.add_argument(
+        "--strict",
+        action="store_true",
+        help="fail an inherited check of a family the backend does not declare, as --kvconform-strict",
+    )
     _add_backend_args(p)
     p.set_defaults(run=cmd_check)
     p = sub.add_parser("explain", help="the derivation of one scenario, step by step")

@@ -52,7 +52,9 @@ __all__ = [
 ]
 
 
-def declined_reason(backend: Any, rule: str, scenario: Scenario | None = None, method: str = "") -> str | None:
+def declined_reason(
+    backend: Any, rule: str, scenario: Scenario | None = None, method: str = ""
+) -> str | None:
     """Why ``backend`` declines ``rule`` (its ``method``, on ``scenario``), from its declared
     ``declines``; None when it answers it. The reference never declines as the oracle."""
     if provenance.is_oracle(backend):
@@ -94,7 +96,9 @@ def crash(rule: str, backend: Any, method: str, scenario: Scenario | None, error
     """The test's end when a call raised outside the contract: rule, backend, method, scenario,
     the exception's one-line summary and where it was raised."""
     name = getattr(backend, "name", type(backend).__name__)
-    return Crashed(f"[{rule}] backend {name!r}.{method} raised{_where(scenario)}: {summary(error)}", pytrace=False)
+    return Crashed(
+        f"[{rule}] backend {name!r}.{method} raised{_where(scenario)}: {summary(error)}", pytrace=False
+    )
 
 
 def outcome(backend: Any, method: str, *inputs: Any, scenario: Scenario | None = None) -> tuple[str, Any]:
@@ -107,7 +111,9 @@ def outcome(backend: Any, method: str, *inputs: Any, scenario: Scenario | None =
     return _outcome(backend, method, ask(backend, method, *inputs, scenario=scenario), scenario)
 
 
-def _outcome(backend: Any, method: str, answer: provenance.Answer, scenario: Scenario | None) -> tuple[str, Any]:
+def _outcome(
+    backend: Any, method: str, answer: provenance.Answer, scenario: Scenario | None
+) -> tuple[str, Any]:
     if answer.error is None:
         return ("ok", answer.value)
     kind = rejection_kind(answer.error)
@@ -167,7 +173,10 @@ def numbers_apply(backend: Any, scenario: Scenario, reference: Any = None) -> No
     from .reference.rules import reference_rules
 
     rules = reference or reference_rules(getattr(backend, "release", None) or LATEST)
-    plans = [outcome(rules, "plan", scenario=s) for s in (scenario, scenario.with_runtime(kernel_block_alignment=alignment))]
+    plans = [
+        outcome(rules, "plan", scenario=s)
+        for s in (scenario, scenario.with_runtime(kernel_block_alignment=alignment))
+    ]
     views = [(kind, plan_view(value) if kind == "ok" else value) for kind, value in plans]
     moved = first_difference(views[0], views[1])
     if moved is not None:
@@ -183,7 +192,9 @@ def served(backend: Any, scenario: Scenario) -> Scenario:
     declares (``kernel_block_alignment``), which the reference then plans at too. The scenario
     file's alignment describes the hardware it was written for, not a plugin's. Where the backend
     refuses the input before it has a kernel (a TP split), the scenario as it is."""
-    if provenance.is_oracle(backend):
+    if provenance.is_oracle(backend) or declined_reason(
+        backend, "block_size", scenario, "kernel_block_alignment"
+    ):
         return scenario
     status, alignment = outcome(backend, "kernel_block_alignment", scenario=scenario)
     if status != "ok" or alignment == scenario.runtime.kernel_block_alignment:
@@ -308,7 +319,9 @@ def assert_same_outcome(
         assert_same(rule, backend, scenario, *shown)
         return
     want, have = (view(a[1]) if view is not None else a[1] for a in (expected, got))
-    assert_same(rule, backend, scenario, {key: want} if view is None else want, {key: have} if view is None else have)
+    assert_same(
+        rule, backend, scenario, {key: want} if view is None else want, {key: have} if view is None else have
+    )
 
 
 def _fields(value: Any) -> dict[str, Any]:
@@ -410,10 +423,17 @@ def load_xfails(path: Path, backend_name: str) -> list[KnownDeparture]:
             raise ValueError(f"{where}.when: expected one of {', '.join(INPUT_KINDS)}")
         if entry.get("backend", backend_name) != backend_name:
             continue
-        out.append(KnownDeparture(
-            rule=entry["rule"], field=entry["field"], reason=entry["reason"], test=entry.get("test", "*"),
-            when=INPUT_KINDS[when] if when else None, reference=entry.get("reference"), value=entry.get("value"),
-        ))  # fmt: skip
+        out.append(
+            KnownDeparture(
+                rule=entry["rule"],
+                field=entry["field"],
+                reason=entry["reason"],
+                test=entry.get("test", "*"),
+                when=INPUT_KINDS[when] if when else None,
+                reference=entry.get("reference"),
+                value=entry.get("value"),
+            )
+        )
     return out
 
 

@@ -188,7 +188,8 @@ def _is_kvconform_item(item: pytest.Item) -> bool:
 
 DEFAULT_HEADER = (
     "kvconform: self-check of the expectations: the reference against [expect] tables, goldens and "
-    f"regression literals (backend=reference, the default; select one with --kvconform-backend or ${ENV_BACKEND})"
+    "regression literals (backend=reference, the default; select one with --kvconform-backend or "
+    f"${ENV_BACKEND})"
 )
 
 
@@ -495,8 +496,14 @@ def _apply(report: pytest.TestReport, item: pytest.Item, result: Any, notes: lis
     else:
         report.outcome = "failed"
         if result.strict_failure or report.longrepr is None or result.known:
-            report.longrepr = "\n".join(filter(None, [result.strict_failure or result.message, _text(report)]))
-        elif notes and isinstance(report.longrepr, str | tuple) is False and "\n".join(notes) not in _text(report):
+            report.longrepr = "\n".join(
+                filter(None, [result.strict_failure or result.message, _text(report)])
+            )
+        elif (
+            notes
+            and isinstance(report.longrepr, str | tuple) is False
+            and "\n".join(notes) not in _text(report)
+        ):
             report.longrepr = "\n".join([_text(report), *notes])
 
 
@@ -507,7 +514,6 @@ def _text(report: pytest.TestReport) -> str:
 def _keep(report: pytest.TestReport, item: pytest.Item, result: Any, led: Any) -> None:
     """The test's record, JSON-serialisable (user properties cross xdist)."""
     from .checks import record
-
     from .provenance import Ledger
 
     led = led or Ledger()
@@ -553,8 +559,12 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     inherited = sorted({r["rule"] for r in records if r["verdict"] == "inherited"})
     for rule in inherited:
         count = sum(r["verdict"] == "inherited" and r["rule"] == rule for r in records)
-        why = f"declared: {declared[rule]}" if rule in declared else "not declared in the backend's `inherits`"
-        terminalreporter.write_line(f"inherited {rule}: {count} tests answered by the reference's code ({why})")
+        why = (
+            f"declared: {declared[rule]}" if rule in declared else "not declared in the backend's `inherits`"
+        )
+        terminalreporter.write_line(
+            f"inherited {rule}: {count} tests answered by the reference's code ({why})"
+        )
     exercised = exercised_of(records)
     if exercised:
         terminalreporter.write_line("generated inputs compared, per rule they reach:")

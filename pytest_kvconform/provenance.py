@@ -9,8 +9,9 @@ of a backend and watches which code hands the answer back:
   back to the backend during the call: a method the backend does not redefine, an override that
   returns ``super()``'s answer, a branch that hands back the reference's answer, a rejection
   raised inside the reference's code;
-* ``reference``: the backend declined (``not_provided``, :class:`~.errors.RuleNotApplicable`)
-  and the reference of the same release answered instead (recorded by the caller).
+* ``reference``: the backend declined (its ``declines``, or an
+  :class:`~pytest_kvconform.gaps.OfflineGap`) and the reference of the same release answered
+  instead (recorded by the caller).
 
 "Handed back" is judged by identity: a value the backend built itself is a new object even when
 it equals the reference's. Values CPython shares between unrelated code (``None``, booleans,

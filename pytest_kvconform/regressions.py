@@ -90,7 +90,9 @@ def plan_record(rules: Any, scenario: Scenario) -> dict[str, Any]:
 def one_sequence_bytes(backend: Any, scenario: Scenario, release: RuleSet | None = None) -> int:
     """The backend's one-sequence estimate at the reference's block choice for ``scenario`` (under
     ``release``'s rules; the backend's, else the newest)."""
-    choice = reference_rules(release or getattr(backend, "release", None)).choose_block_size(scenario=scenario)
+    choice = reference_rules(release or getattr(backend, "release", None)).choose_block_size(
+        scenario=scenario
+    )
     return call_rule(
         backend, "one_sequence_bytes", choice.block_size, choice.state_page_padded, scenario=scenario
     )
@@ -118,7 +120,7 @@ def assert_plan_matches_golden(backend: Any, reference: Any, golden: Any, scenar
 def _reference_matches(record: dict[str, Any], golden: Any, scenario: Scenario, release: str) -> None:
     """The reference's plan equals its golden (syrupy records the comparison: a golden compared
     is a golden used); a reference that moved is a failure of the reference, not of the backend."""
-    if not (golden == record):
+    if not (golden == record):  # noqa: SIM201 (syrupy's snapshot compares by ==)
         message = (
             f"the reference's plan of {scenario.name!r} under vLLM {release} rules no longer matches its "
             "golden (syrupy's report shows the difference; --snapshot-update rewrites it from the reference)"

@@ -48,8 +48,11 @@ PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
         ("pages_not_unifiable", r"block scaling cannot change a Mamba page"),
         ("pages_not_unifiable", r"Failed to promote local KV cache specs to one unified type"),
         ("pages_not_unifiable", r"KV cache layout \w+ cannot express this model's mixed page sizes"),
-        ("parallel_split", r"must be divisible by ?(tensor parallel size|dcp_size|dcp world size|"
-         r"`--decode-context-parallel-size`)"),
+        (
+            "parallel_split",
+            r"must be divisible by ?(tensor parallel size|dcp_size|dcp world size|"
+            r"`--decode-context-parallel-size`)",
+        ),
         ("parallel_split", r"Decode context parallelism for GQA/MQA requires"),
         # vllm/distributed/utils.py ensure_divisibility (divide: heads or groups over TP ranks)
         ("parallel_split", r"^\d+ is not divisible by \d+$"),
@@ -64,14 +67,20 @@ PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
         ("unsupported_kv_cache_dtype", r"FlashInfer nvfp4 KV cache needs"),
         ("unsupported_kv_cache_dtype", r"KDA recurrent state supports only"),
         ("unsupported_kv_cache_dtype", r"no packed or padded KV pages"),
-        ("unsupported_kv_cache_dtype", r"unsupported dtype '\w+'; expected one of float16, bfloat16, float32"),
+        (
+            "unsupported_kv_cache_dtype",
+            r"unsupported dtype '\w+'; expected one of float16, bfloat16, float32",
+        ),
         ("unsupported_block_size", r"is not divisible by any supported kernel block size"),
         ("unsupported_block_size", r"block_size \(\d+\) must be <= max_num_batched_tokens"),
         ("invalid_padding", r"padded-spec per-token page \(\d+B\) < primary"),
         ("oversized_config", r"requests \d+ blocks but the [\w ]*pool was allocated with \d+"),
         ("nothing_to_plan", r"no KV cache groups: nothing to plan"),
         ("no_attention_backend", r"Sparse Attention is not supported on CPU"),
-        ("not_modelled", r"not modelled|a model-level scenario cannot state|need the model's \[model\.attention\]"),
+        (
+            "not_modelled",
+            r"not modelled|a model-level scenario cannot state|need the model's \[model\.attention\]",
+        ),
     )
 )
 
@@ -131,5 +140,7 @@ def rejection_kind(error: BaseException) -> str | None:
     if kind is None and isinstance(error, AssertionError):
         path, _, function = raised_at(error)
         path = path.replace("\\", "/")
-        kind = next((k for (file, fn), k in BARE_ASSERTS.items() if path.endswith(file) and fn == function), None)
+        kind = next(
+            (k for (file, fn), k in BARE_ASSERTS.items() if path.endswith(file) and fn == function), None
+        )
     return kind

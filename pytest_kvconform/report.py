@@ -49,7 +49,9 @@ def format_matrix(matrix: Mapping[str, Counter[str]]) -> list[str]:
     rows = _rows(matrix)
     width = max([len("rule family"), *(len(r) for r, _ in rows)])
     cells = [max(len(c), 6) for c in COLUMNS]
-    lines = [f"{'rule family':<{width}} " + " ".join(f"{c:>{w}}" for c, w in zip(COLUMNS, cells, strict=True))]
+    lines = [
+        f"{'rule family':<{width}} " + " ".join(f"{c:>{w}}" for c, w in zip(COLUMNS, cells, strict=True))
+    ]
     lines += [f"{rule:<{width}} " + " ".join(f"{n:>{w}}" for n, w in zip(counts, cells, strict=True))
               for rule, counts in rows]  # fmt: skip
     totals = [sum(c[i] for _, c in rows) for i in range(len(COLUMNS))]
@@ -103,7 +105,9 @@ def steps_of(records: Iterable[Mapping[str, Any]]) -> dict[str, Counter[str]]:
 
 def declined_steps_of(records: Iterable[Mapping[str, Any]]) -> Counter[str]:
     """``family.method: reference (why)`` -> plans in which the reference answered that step."""
-    return Counter(step for record in records if record["rule"] == "plan" for step in record.get("declined") or ())
+    return Counter(
+        step for record in records if record["rule"] == "plan" for step in record.get("declined") or ()
+    )
 
 
 def format_steps(steps: Mapping[str, Counter[str]]) -> list[str]:
@@ -200,12 +204,27 @@ def format_markdown(document: Mapping[str, Any]) -> str:
             diff = r["difference"]
             cells = (r["scenario"] or r["test"], r["rule"], diff["field"], diff["reference"], diff["backend"])
             lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
-    others = [r for r in results if r["outcome"] == "failed" and not (r["verdict"] == "departed" and r["difference"])]
+    others = [
+        r
+        for r in results
+        if r["outcome"] == "failed" and not (r["verdict"] == "departed" and r["difference"])
+    ]
     if others:
-        lines += ["", "## Crashes and other failures", "", "| test | rule | verdict | message |", "|---|---|---|---|"]
-        lines += [f"| {_cell(r['test'])} | {r['rule']} | {r['verdict']} | {_cell(r['message'])} |" for r in others]
-    reasons = Counter((r["verdict"], r["rule"], r["message"]) for r in results
-                      if r["verdict"] in ("declined", "inherited", "known", "n/a") and r["outcome"] != "failed")  # fmt: skip
+        lines += [
+            "",
+            "## Crashes and other failures",
+            "",
+            "| test | rule | verdict | message |",
+            "|---|---|---|---|",
+        ]
+        lines += [
+            f"| {_cell(r['test'])} | {r['rule']} | {r['verdict']} | {_cell(r['message'])} |" for r in others
+        ]
+    reasons = Counter(
+        (r["verdict"], r["rule"], r["message"])
+        for r in results
+        if r["verdict"] in ("declined", "inherited", "known", "n/a") and r["outcome"] != "failed"
+    )
     if reasons:
         lines += ["", "## Declined, inherited, known departures, not applicable", "",
                   "| verdict | rule | reason | tests |", "|---|---|---|---|"]  # fmt: skip

@@ -44,7 +44,11 @@ def _mla(s: Scenario) -> bool:
 
 
 def _sparse_attention(s: Scenario) -> bool:
-    return s.model is not None and s.model.use_mla and bool(s.model.attention and s.model.attention.indexer_head_dim)
+    return (
+        s.model is not None
+        and s.model.use_mla
+        and bool(s.model.attention and s.model.attention.indexer_head_dim)
+    )
 
 
 def _hybrid(s: Scenario) -> bool:
@@ -93,7 +97,9 @@ HYBRID = InputKind("hybrid", "attention layers next to state layers (Mamba, GDN,
 STATE = InputKind("state", "state layers (Mamba, GDN, KDA, short conv)", _state)
 SLIDING_WINDOW = InputKind("sliding_window", "sliding-window attention layers", _sliding_window)
 NO_PAGED_ATTENTION = InputKind(
-    "no_paged_attention", "no paged attention layer (attention-free, or a spec-level scenario)", _no_paged_attention
+    "no_paged_attention",
+    "no paged attention layer (attention-free, or a spec-level scenario)",
+    _no_paged_attention,
 )
 QUANTIZED_KV = InputKind(
     "quantized_kv", "a kv_cache_dtype other than the model's (fp8, int8, packed formats)", _quantized_kv
@@ -111,9 +117,21 @@ POLICY_NOT_PAD_TO_MAX = InputKind(
 #: the input kinds the harness knows, by name (``--kvconform-xfails`` entries name them in ``when``)
 INPUT_KINDS: dict[str, InputKind] = {
     k.name: k
-    for k in (SPEC_LEVEL, MLA, SPARSE_ATTENTION, HYBRID, STATE, SLIDING_WINDOW, NO_PAGED_ATTENTION, QUANTIZED_KV,
-              TENSOR_PARALLEL, SPECULATIVE, REGISTERED_KV_CACHE_DTYPE, POLICY_NOT_PAD_TO_MAX)
-}  # fmt: skip
+    for k in (
+        SPEC_LEVEL,
+        MLA,
+        SPARSE_ATTENTION,
+        HYBRID,
+        STATE,
+        SLIDING_WINDOW,
+        NO_PAGED_ATTENTION,
+        QUANTIZED_KV,
+        TENSOR_PARALLEL,
+        SPECULATIVE,
+        REGISTERED_KV_CACHE_DTYPE,
+        POLICY_NOT_PAD_TO_MAX,
+    )
+}
 
 #: a rule family, ``*`` (every family), optionally with the kind of input it applies to
 DeclineKey = str | tuple[str, InputKind]
@@ -153,9 +171,13 @@ class Declines:
         return Declines({**self.entries, **other.entries})
 
     def without(self, *rules: str) -> Declines:
-        return Declines({
-            k: v for k, v in self.entries.items() if (k if isinstance(k, str) else k[0]).partition(".")[0] not in rules
-        })  # fmt: skip
+        return Declines(
+            {
+                k: v
+                for k, v in self.entries.items()
+                if (k if isinstance(k, str) else k[0]).partition(".")[0] not in rules
+            }
+        )
 
     def __repr__(self) -> str:
         return f"Declines({self.entries!r})"
@@ -196,7 +218,9 @@ class KnownDeparture:
         )
 
     def describe(self) -> str:
-        values = ", ".join(f"{who} {v}" for who, v in (("reference", self.reference), ("backend", self.value)) if v)
+        values = ", ".join(
+            f"{who} {v}" for who, v in (("reference", self.reference), ("backend", self.value)) if v
+        )
         values = f" ({values})" if values else ""
         return f"departs in {self.field}{values}: {self.reason}"
 

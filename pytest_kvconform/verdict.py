@@ -41,7 +41,7 @@ from .rejections import raised_at
 from .requirements import KnownDeparture
 
 
-class Verdict(str, enum.Enum):
+class Verdict(enum.StrEnum):
     AGREED = "agreed"
     INHERITED = "inherited"
     DECLINED = "declined"
@@ -49,9 +49,6 @@ class Verdict(str, enum.Enum):
     KNOWN = "known"
     CRASHED = "crashed"
     NOT_APPLICABLE = "n/a"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 #: the verdicts, in report order
@@ -212,11 +209,11 @@ def _from_answers(
                           known="by input kind")  # fmt: skip
         if generated.get("declined"):
             return Result(Verdict.DECLINED, "the backend declined every generated input")
-    had = [a for a in answers if a[0] not in absent]  # a family it declines whole is not its to answer
-    if rule == "plan":  # the load-bearing steps
-        relevant = [a for a in had if a[0] in (*LOAD_BEARING, "plan")]
-    else:
-        relevant = [a for a in had if a[0] == rule] or had
+    if rule == "plan":  # the load-bearing steps; the allocation only where the backend allocates
+        relevant = [a for a in answers if a[0] in (*LOAD_BEARING, "plan")
+                    and not (a[0] == "allocation" and a[0] in absent)]  # fmt: skip
+    else:  # the rule's answers, else those of the families the backend has
+        relevant = [a for a in answers if a[0] == rule] or [a for a in answers if a[0] not in absent]
     if not relevant:
         return Result(Verdict.INHERITED, "the backend was asked nothing this test compares")
     declined = _steps(a for a in relevant if a[2] == provenance.REFERENCE)
@@ -250,7 +247,8 @@ def decide(
     is the reference itself, the known departures about this test, the backend's declared
     ``inherits`` and ``--kvconform-strict``. ``test_files``: where the test's own asserts live;
     ``generated``: a property test's inputs (``compared``, ``declined``, ``known``); ``absent``:
-    the rule families the backend declines whole (a composed plan does not need them its own)."""
+    the rule families the backend declines whole (:func:`absent_families`: a composed plan of a
+    backend that allocates nothing needs no allocation of its own)."""
     if error is None:
         result = _from_answers(rule, answers, oracle, generated or {}, set(absent))
     else:
@@ -280,8 +278,11 @@ def _with_known(result: Result, known: Sequence[KnownDeparture]) -> Result:
         return Result(Verdict.DEPARTED, f"{result.message} [not the known departure: {expected}]",
                       result.difference, known=expected)  # fmt: skip
     if result.verdict is Verdict.CRASHED:
-        return Result(Verdict.CRASHED, f"{result.message} [a known departure does not cover a crash: {expected}]",
-                      known=expected)  # fmt: skip
+        return Result(
+            Verdict.CRASHED,
+            f"{result.message} [a known departure does not cover a crash: {expected}]",
+            known=expected,
+        )
     named = [k for k in known if k.test != "*"]
     if result.verdict is Verdict.AGREED and named:
         return Result(Verdict.DEPARTED, "[XPASS(strict)] the known departure no longer happens: "

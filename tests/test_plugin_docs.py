@@ -19,7 +19,7 @@ def _blocks(language: str) -> list[str]:
 def test_the_docs_code_is_the_toy_plugin_file() -> None:
     code = _blocks("python")[0]
     assert code == (TOY / "kvtoy" / "platform.py").read_text()
-    assert len(code.splitlines()) + len(_blocks("toml")[0].splitlines()) < 40
+    assert len(code.splitlines()) + len(_blocks("toml")[0].splitlines()) < 70  # a page, not a project
 
 
 def test_the_docs_entry_point_is_the_toy_plugins() -> None:

@@ -152,6 +152,10 @@ def _serve(conn: Connection, name: str, options: dict[str, str]) -> None:
         conn.send_bytes(reply)
 
 
+#: what a backend declares about itself, read once when its process starts
+DECLARATIONS = ("name", "version", "declines", "inherits", "known_departures")
+
+
 class IsolatedBackend:
     """The backend called ``name`` (options as for :func:`~.registry.resolve_backend`), built
     and run in a child process. Attributes and methods are the backend's; :attr:`process` says
@@ -185,6 +189,9 @@ class IsolatedBackend:
             raise IsolatedBackendError(str(detail))
         #: ``{"pid": ..., "isolated": True, "why": ...}``: the process that answers
         vars(self)["process"] = {"pid": int(detail), "isolated": True, "why": why}
+        for attr in DECLARATIONS:  # read here once: a verdict needs them after the process stopped
+            with contextlib.suppress(AttributeError):
+                vars(self)[attr] = self._request("get", attr)
 
     def _request(self, op: str, name: str, *args: Any, **kwargs: Any) -> Any:
         if self._stopped:

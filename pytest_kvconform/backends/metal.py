@@ -14,7 +14,7 @@ itself comes from :mod:`pytest_kvconform.metal_runtime` and arrays it really all
 
 Like vllm-metal, the runtime stores K/V in the model dtype (float16, bfloat16 or float32)
 and never reads ``--kv-cache-dtype``; scenarios that ask for a packed or 8-bit cache are
-known failures of this backend, listed in :attr:`MetalBackend.known_failures`.
+known departures of this backend, each naming its field (:attr:`MetalBackend.known_departures`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from ..model import KVPlan, MemoryCheck, PoolAllocation
 from ..reference import plan as reference_plan
 from ..reference.specs import AttentionSpec, KVCacheSpec, MambaSpec
 from ..reference.speculative import num_draft_layers, speculative_method
-from ..scenario import Scenario
 from ..requirements import (
     NO_PAGED_ATTENTION,
     QUANTIZED_KV,
@@ -37,6 +36,7 @@ from ..requirements import (
     InputKind,
     KnownDeparture,
 )
+from ..scenario import Scenario
 from .base import ReferenceBackend
 
 _FP8_DS_MLA = (
@@ -85,7 +85,11 @@ _QUANTIZED = (
 
 
 def _mtp_draft(scenario: Scenario) -> bool:
-    return scenario.model is not None and speculative_method(scenario) == "mtp" and num_draft_layers(scenario) > 0
+    return (
+        scenario.model is not None
+        and speculative_method(scenario) == "mtp"
+        and num_draft_layers(scenario) > 0
+    )
 
 
 def _pool_per_layer(scenario: Scenario) -> bool:
@@ -103,7 +107,8 @@ MTP_DRAFT = InputKind("mtp_draft", "MTP draft layers (num_nextn_predict_layers, 
 #: A hybrid whose vLLM groups hold more pages per block than it has attention layers
 SHARED_GROUP_SLOTS = InputKind(
     "shared_group_slots",
-    "a hybrid whose KV cache groups (get_kv_cache_groups) bill more pages per block than its attention layers",
+    "a hybrid whose KV cache groups (get_kv_cache_groups) bill more pages per block than its "
+    "attention layers",
     _pool_per_layer,
 )
 
@@ -154,7 +159,8 @@ class MetalBackend(ReferenceBackend):
           for rule, test, field in (("plan", "test_plan", "plan"), ("plan", "test_expectations", "plan"),
                                     ("memory", "test_check_memory", "check_memory"))),
         # the pool's bytes per block (one page per attention layer, the model dtype)
-        *(KnownDeparture("allocation", "bytes_per_block", reason, f"test_pool_holds_exactly_the_planned_blocks[{name}]",
+        *(KnownDeparture("allocation", "bytes_per_block", reason,
+                         f"test_pool_holds_exactly_the_planned_blocks[{name}]",
                          reference=str(reference), value=str(value))
           for name, reference, value, reason in (
               ("gemma-3-27b-it", 1_310_720, 8_126_464, _PER_LAYER_POOL),

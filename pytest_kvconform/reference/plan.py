@@ -26,8 +26,8 @@ from typing import Any
 from .. import provenance
 from ..errors import RuleError
 from ..gaps import OfflineGap
-from ..rejections import rejection_kind
 from ..model import KVPlan
+from ..rejections import rejection_kind
 from ..scenario import Scenario
 from .metal import one_sequence_tokens
 from .specs import AttentionSpec, MambaSpec

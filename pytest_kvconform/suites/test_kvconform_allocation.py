@@ -168,8 +168,9 @@ def _reference_plan(kv_backend: Any, kv_reference: Any, scenario: Scenario) -> t
 
 
 def _pool(allocation: Any) -> dict[str, int]:
-    return {"num_blocks": allocation.num_blocks, "bytes_per_block": allocation.bytes_per_block,
-            "bytes_held": allocation.bytes_held}  # fmt: skip
+    """What a pool holds, as compared: the bytes held first (a pool short of a block says so)."""
+    return {"num_blocks": allocation.num_blocks, "bytes_held": allocation.bytes_held,
+            "bytes_per_block": allocation.bytes_per_block}  # fmt: skip
 
 
 @pytest.mark.kvconform_rule("allocation")
@@ -197,8 +198,12 @@ def test_config_larger_than_the_pool_is_rejected(
     allocation = call_rule(kv_backend, "allocate_kv_cache", plan, 3, scenario=kv_scenario)
     for requested in (2, 3, 4):
         key = f"check_kv_cache_config({requested} of 3 blocks)"
-        expected = _guard(outcome(kv_reference, "check_kv_cache_config", allocation, requested, scenario=kv_scenario))
-        got = _guard(outcome(kv_backend, "check_kv_cache_config", allocation, requested, scenario=kv_scenario))
+        expected = _guard(
+            outcome(kv_reference, "check_kv_cache_config", allocation, requested, scenario=kv_scenario)
+        )
+        got = _guard(
+            outcome(kv_backend, "check_kv_cache_config", allocation, requested, scenario=kv_scenario)
+        )
         assert_same("allocation", kv_backend, kv_scenario, {key: expected}, {key: got})
 
 

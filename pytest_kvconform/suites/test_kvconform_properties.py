@@ -44,9 +44,10 @@ _settings = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow]
 def generated(data: dict[str, Any], backend: Any, rule: str) -> Iterator[Scenario]:
     """One generated input of a ``rule`` test as a scenario, at the backend's kernel block
     alignment: declined or not modelled by the reference, or a step of it declined (the reference
-    answered that step), it is counted and rejected (its answers dropped from the test's record); departing where a known departure
-    of its kind says, it is counted and passes; compared, it is counted with the rules it
-    reached. A backend that declines the whole rule declines the test."""
+    answered that step), it is counted and rejected (its answers dropped from the test's
+    record); departing where a known departure of its kind says, it is counted and passes;
+    compared, it is counted with the rules it reached. A backend that declines the whole rule
+    declines the test."""
     decline_if_declared(backend, rule)
     note("counterexample scenario (kv-scenario/1):\n" + scenario_toml(data))
     scenario = scenario_from_dict(data, "<hypothesis>")
@@ -63,8 +64,10 @@ def generated(data: dict[str, Any], backend: Any, rule: str) -> Iterator[Scenari
         del ledger.answers[asked:]
         reject()
     except Departure as exc:
-        known = next((k for k in ledger.known if (k.when is None or k.when(scenario)) and k.matches(exc.to_dict())),
-                     None)  # fmt: skip
+        known = next(
+            (k for k in ledger.known if (k.when is None or k.when(scenario)) and k.matches(exc.to_dict())),
+            None,
+        )
         if known is None:
             raise
         del ledger.answers[asked:]  # counted as a known departure, not compared

@@ -79,8 +79,13 @@ def test_registered_kv_cache_dtype(kv_backend: Any, kv_reference: Any, torch_dty
                     "registered_kv_cache_dtypes": {f"plugin_{torch_dtype}": torch_dtype}},
     }, "<registered dtype>")  # fmt: skip
     want = {"int8": 2048, "float32": 8192}[torch_dtype]
-    assert_same("dtype", kv_reference, s, {"attn_bytes_per_token_per_layer": want},
-                {"attn_bytes_per_token_per_layer": kv_reference.plan(scenario=s).attn_bytes_per_token_per_layer})
+    assert_same(
+        "dtype",
+        kv_reference,
+        s,
+        {"attn_bytes_per_token_per_layer": want},
+        {"attn_bytes_per_token_per_layer": kv_reference.plan(scenario=s).attn_bytes_per_token_per_layer},
+    )
     got = call_rule(kv_backend, "plan", scenario=s)
     assert_same("dtype", kv_backend, s, {"attn_bytes_per_token_per_layer": want},
                 {"attn_bytes_per_token_per_layer": got.attn_bytes_per_token_per_layer})  # fmt: skip

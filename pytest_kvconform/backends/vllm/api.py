@@ -86,7 +86,9 @@ def kernel_alignment(backends: Sequence[type], default: int) -> int:
     import math
 
     smallest = [
-        min(getattr(s, "base", s) for s in sizes) for b in backends if (sizes := b.get_supported_kernel_block_sizes())
+        min(getattr(s, "base", s) for s in sizes)
+        for b in backends
+        if (sizes := b.get_supported_kernel_block_sizes())
     ]
     return math.lcm(*map(int, smallest)) if smallest else default
 
@@ -199,7 +201,9 @@ def construct(cls: type, **fields: Any) -> Any:
         known = {f.name for f in dataclasses.fields(cls)}
     for name, value in fields.items():
         if name not in known and value not in (None, 0):
-            raise UnsupportedByVllmError("release_lacks", f"vLLM {vllm_runtime().version}'s {cls.__name__} has no {name}")
+            raise UnsupportedByVllmError(
+                "release_lacks", f"vLLM {vllm_runtime().version}'s {cls.__name__} has no {name}"
+            )
     return cls(**{name: value for name, value in fields.items() if name in known})
 
 

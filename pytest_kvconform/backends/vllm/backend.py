@@ -10,7 +10,7 @@ hands it the reference's), the same planner runs on them with a config of the ru
 settings. The platform (:mod:`.platform`) defaults to vLLM core's neutral ``Platform``, never
 the test host's; a plugin passes its own: ``VllmBackend(platform=MyPlatform)`` or
 ``class MyKV(VllmBackend): platform = MyPlatform``. vLLM has no code for the vllm-metal rules
-(one-sequence bytes, the Metal kernel block): ``not_provided``.
+(one-sequence bytes, the Metal kernel block): declined (:attr:`VllmBackend.declines`).
 """
 
 from __future__ import annotations
@@ -96,12 +96,18 @@ def _packed_mla_hybrid(scenario: Scenario) -> bool:
 
 def _lfm2_speculative(scenario: Scenario) -> bool:
     model = scenario.model
-    return model is not None and model.architecture == "Lfm2ForCausalLM" and scenario.runtime.num_speculative_tokens > 0
+    return (
+        model is not None
+        and model.architecture == "Lfm2ForCausalLM"
+        and scenario.runtime.num_speculative_tokens > 0
+    )
 
 
 #: vLLM's hybrid planner prices a packed MLA latent at the unpacked 576 B/token (vLLM bug B2)
 PACKED_MLA_HYBRID = InputKind(
-    "packed_mla_hybrid", "an MLA hybrid with a packed MLA cache (fp8_ds_mla, nvfp4_ds_mla)", _packed_mla_hybrid
+    "packed_mla_hybrid",
+    "an MLA hybrid with a packed MLA cache (fp8_ds_mla, nvfp4_ds_mla)",
+    _packed_mla_hybrid,
 )
 #: Lfm2's state shape omits the speculative rows (vLLM 0.29 ... 0.33)
 LFM2_SPECULATIVE = InputKind("lfm2_speculative", "an Lfm2 model with speculative tokens", _lfm2_speculative)
@@ -128,19 +134,36 @@ class VllmBackend(ReferenceBackend):
     #: under ``kv_scenario`` with ``--kvconform-scenarios
     #: pytest_kvconform/scenarios/regressions/kimi-linear-mla-kda-fp8-ds-mla-probe.toml``.
     known_departures: ClassVar[Sequence[KnownDeparture]] = (
-        KnownDeparture("hybrid_alignment", "block_size", _B2_MLA_HYBRID, test=f"test_hybrid_alignment[{_B2_SCENARIO}]",
-                       reference="3328", value="3840"),
-        KnownDeparture("hybrid_alignment", "assert (got.attn_page_bytes_per_token, got.state_page_bytes) == *",
-                       _B2_MLA_HYBRID, test="test_vllm_b2_kimi_linear_block_uses_the_packed_page"),
+        KnownDeparture(
+            "hybrid_alignment",
+            "block_size",
+            _B2_MLA_HYBRID,
+            test=f"test_hybrid_alignment[{_B2_SCENARIO}]",
+            reference="3328",
+            value="3840",
+        ),
+        KnownDeparture(
+            "hybrid_alignment",
+            "assert (got.attn_page_bytes_per_token, got.state_page_bytes) == *",
+            _B2_MLA_HYBRID,
+            test="test_vllm_b2_kimi_linear_block_uses_the_packed_page",
+        ),
         KnownDeparture("hybrid_alignment", "block_size", _B2_MLA_HYBRID, when=PACKED_MLA_HYBRID),
         KnownDeparture("hybrid_alignment", "block_size", _LFM2_SPECULATIVE_ROWS, when=LFM2_SPECULATIVE),
-        KnownDeparture("layer_specs", "layer * (attention): block_size", _LFM2_SPECULATIVE_ROWS, when=LFM2_SPECULATIVE),
-        KnownDeparture("layer_specs", "layer_specs", _LFM2_SPECULATIVE_ROWS, when=LFM2_SPECULATIVE,
-                       value="rejects: invalid_padding"),
+        KnownDeparture(
+            "layer_specs", "layer * (attention): block_size", _LFM2_SPECULATIVE_ROWS, when=LFM2_SPECULATIVE
+        ),
+        KnownDeparture(
+            "layer_specs",
+            "layer_specs",
+            _LFM2_SPECULATIVE_ROWS,
+            when=LFM2_SPECULATIVE,
+            value="rejects: invalid_padding",
+        ),
         # the block sized for too few rows moves whatever the plan derives from it (at a kernel
         # alignment other than 16 the one-sequence bytes first)
         KnownDeparture("plan", "*", _LFM2_SPECULATIVE_ROWS, when=LFM2_SPECULATIVE),
-    )  # fmt: skip
+    )
     #: The vLLM platform class whose config hooks run: None is vLLM core's neutral ``Platform``;
     #: a class or ``"package.module:Class"`` names another (a plugin's own).
     platform: ClassVar[type | str | None] = None
@@ -167,13 +190,18 @@ class VllmBackend(ReferenceBackend):
                 f"cpu_features={cpu_features!r}: expected native or one of {', '.join(CPU_FEATURES)}"
             )
         self.cpu_features = cpu_features
-        self._platform_arg = _checked_target("platform", platform if platform is not None else type(self).platform)
+        self._platform_arg = _checked_target(
+            "platform", platform if platform is not None else type(self).platform
+        )
         self._worker_arg = _checked_target("worker", worker if worker is not None else type(self).worker)
         if self._worker_arg is None or self._worker_arg == GPU_WORKER:
-            self.declines = type(self).declines | Declines({
-                "allocation": "vLLM core's GPU worker allocates on its device (GPUModelRunner.initialize_kv_cache); "
-                "a plugin's worker (option worker=) is asked to allocate",
-            })  # fmt: skip
+            self.declines = type(self).declines | Declines(
+                {
+                    "allocation": "vLLM core's GPU worker allocates on its device "
+                    "(GPUModelRunner.initialize_kv_cache); "
+                    "a plugin's worker (option worker=) is asked to allocate",
+                }
+            )
         #: scenario name -> settings the platform's hooks changed while answering for it
         self.departures: dict[str, list[HookChange]] = {}
 
@@ -222,8 +250,9 @@ class VllmBackend(ReferenceBackend):
         """vLLM has one policy; a scenario asking for another cannot be answered by vLLM."""
         if scenario.runtime.unify_policy != VLLM_UNIFY_POLICY:
             raise UnsupportedByVllmError(
-                "one_unify_policy", f"vLLM implements only the {VLLM_UNIFY_POLICY!r} page unification, not "
-                f"{scenario.runtime.unify_policy!r}"
+                "one_unify_policy",
+                f"vLLM implements only the {VLLM_UNIFY_POLICY!r} page unification, not "
+                f"{scenario.runtime.unify_policy!r}",
             )
         return VLLM_UNIFY_POLICY
 
@@ -231,15 +260,17 @@ class VllmBackend(ReferenceBackend):
         """Raise the :class:`~pytest_kvconform.gaps.OfflineGap` that keeps vLLM from answering for
         ``scenario`` on this host, if any: a speculative method whose draft is a checkpoint of its
         own, a kv_cache_dtype this release lacks or only a GPU kernel library serves
-        (:data:`.attention.CPU_BUILD_LACKS`, whatever the platform), and ngram with async scheduling (set, or the
-        release's default) on a build without Triton (the V1 runner it falls back to refuses the
-        pair; the GPU engine's V2 runner keeps it)."""
+        (:data:`.attention.CPU_BUILD_LACKS`, whatever the platform), and ngram with async
+        scheduling (set, or the release's default) on a build without Triton (the V1 runner it
+        falls back to refuses the pair; the GPU engine's V2 runner keeps it)."""
         method = speculative_method(scenario)
         if method not in (None, "mtp", "ngram"):
             raise UnsupportedByVllmError("draft_checkpoint", f"speculative method {method!r}")
         dtype = scenario.runtime.kv_cache_dtype
         if dtype not in dict(scenario.runtime.registered_kv_cache_dtypes) and dtype not in kv_cache_dtypes():
-            raise UnsupportedByVllmError("release_lacks", f"vLLM {self.version} has no kv_cache_dtype {dtype!r}")
+            raise UnsupportedByVllmError(
+                "release_lacks", f"vLLM {self.version} has no kv_cache_dtype {dtype!r}"
+            )
         if dtype in CPU_BUILD_LACKS and not (scenario.model is not None and scenario.model.use_mla):
             raise UnsupportedByVllmError("cpu_build", CPU_BUILD_LACKS[dtype])
         rt = scenario.runtime
@@ -249,9 +280,10 @@ class VllmBackend(ReferenceBackend):
         )  # fmt: skip
         if method == "ngram" and async_scheduling and not _has_triton():
             raise UnsupportedByVllmError(
-                "cpu_build", "without Triton vLLM picks the V1 model runner (VllmConfig.use_v2_model_runner), "
+                "cpu_build",
+                "without Triton vLLM picks the V1 model runner (VllmConfig.use_v2_model_runner), "
                 "which turns async scheduling off for ngram; the GPU engine's V2 runner keeps it on",
-            )  # fmt: skip
+            )
 
     def close(self) -> None:
         """Drop the built engines and cached configs at the end of the session, before pytest's
@@ -279,8 +311,9 @@ class VllmBackend(ReferenceBackend):
         geometry, runtime, platform and host answers (:func:`.platform.host_answers`); a reused
         engine reports the hook changes its build logged again."""
         if scenario.is_spec_level:
-            raise UnsupportedByVllmError("no_model",
-                "a spec-level scenario has no model for vLLM to build; its specs are the scenario's own"
+            raise UnsupportedByVllmError(
+                "no_model",
+                "a spec-level scenario has no model for vLLM to build; its specs are the scenario's own",
             )
         with self._scope(scenario) as platform:
             key = self._engine_key(scenario, platform)

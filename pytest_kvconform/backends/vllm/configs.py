@@ -35,11 +35,14 @@ def hf_config_dict(scenario: Scenario) -> dict[str, Any]:
     """The config.json that makes vLLM see the scenario's model (see :data:`WRITERS`)."""
     model, rt = scenario.model, scenario.runtime
     if model is None or model.attention is None:
-        raise UnsupportedByVllmError("no_model", f"{scenario.name}: a spec-level or attention-free scenario has no model")
+        raise UnsupportedByVllmError(
+            "no_model", f"{scenario.name}: a spec-level or attention-free scenario has no model"
+        )
     write = WRITERS.get(model.architecture)
     if write is None:
-        raise UnsupportedByVllmError("no_config_writer",
-            f"{model.architecture}: no config.json writer (have: {', '.join(sorted(WRITERS))})"
+        raise UnsupportedByVllmError(
+            "no_config_writer",
+            f"{model.architecture}: no config.json writer (have: {', '.join(sorted(WRITERS))})",
         )
     common: dict[str, Any] = {
         "architectures": [model.architecture], "num_hidden_layers": model.num_hidden_layers,
@@ -71,8 +74,8 @@ def _state(scenario: Scenario, kind: str) -> Any:
         return StateGeometry(kind=kind, conv_kernel=4, intermediate_size=2 * head, n_groups=1, n_heads=2,
                              head_dim=head, d_state=16)  # fmt: skip
     if model.state.kind != kind:
-        raise UnsupportedByVllmError("no_config_writer",
-            f"{model.architecture}: state kind {model.state.kind!r}, expected {kind!r}"
+        raise UnsupportedByVllmError(
+            "no_config_writer", f"{model.architecture}: state kind {model.state.kind!r}, expected {kind!r}"
         )
     return model.state
 
@@ -81,8 +84,9 @@ def _no_state_dtype_field(scenario: Scenario) -> None:
     model = scenario.model
     assert model is not None
     if model.state is not None and model.state.ssm_dtype != "auto":
-        raise UnsupportedByVllmError("no_config_writer",
-            f"{model.architecture}: config.json has no field for the state dtype {model.state.ssm_dtype}"
+        raise UnsupportedByVllmError(
+            "no_config_writer",
+            f"{model.architecture}: config.json has no field for the state dtype {model.state.ssm_dtype}",
         )
 
 
@@ -93,8 +97,9 @@ def layer_list(model: ModelGeometry, attention: str, state: str, other: str | No
         names["-"] = other
     bad = sorted(set(model.layers) - set(names))
     if bad:
-        raise UnsupportedByVllmError("no_config_writer",
-            f"{model.architecture}: layer code(s) {''.join(bad)!r} have no spelling in its config.json"
+        raise UnsupportedByVllmError(
+            "no_config_writer",
+            f"{model.architecture}: layer code(s) {''.join(bad)!r} have no spelling in its config.json",
         )
     return [names[c] for c in model.layers]
 
@@ -111,23 +116,28 @@ def attention_fields(
     attn = model.attention
     assert attn is not None
     if attn.kind != "gqa" or attn.head_dim_v is not None:
-        raise UnsupportedByVllmError("no_config_writer", f"{model.architecture}: only GQA attention with head_dim_v == head_dim")
+        raise UnsupportedByVllmError(
+            "no_config_writer", f"{model.architecture}: only GQA attention with head_dim_v == head_dim"
+        )
     if attn.is_heterogeneous and not per_layer:
-        raise UnsupportedByVllmError("no_config_writer",
-            f"{model.architecture}: its config.json has no global_head_dim / num_global_kv_heads (Gemma 4's)"
+        raise UnsupportedByVllmError(
+            "no_config_writer",
+            f"{model.architecture}: its config.json has no global_head_dim / num_global_kv_heads (Gemma 4's)",
         )
     heads = attn.num_attention_heads or math.lcm(max(attn.num_kv_heads, 1) * 4, tensor_parallel_size)
     if hidden_size is not None:
         heads, rest = divmod(hidden_size, attn.head_dim)
         if rest or heads % attn.num_kv_heads:
-            raise UnsupportedByVllmError("no_config_writer",
+            raise UnsupportedByVllmError(
+                "no_config_writer",
                 f"{model.architecture}: hidden size {hidden_size} is not a whole number of "
-                f"{attn.head_dim}-wide heads grouped by {attn.num_kv_heads} KV heads"
+                f"{attn.head_dim}-wide heads grouped by {attn.num_kv_heads} KV heads",
             )
         if heads % tensor_parallel_size and not attn.num_attention_heads:
-            raise UnsupportedByVllmError("no_config_writer",
+            raise UnsupportedByVllmError(
+                "no_config_writer",
                 f"{model.architecture}: its hidden size gives {heads} query heads, which tensor parallel "
-                f"size {tensor_parallel_size} does not divide; set [model.attention].num_attention_heads"
+                f"size {tensor_parallel_size} does not divide; set [model.attention].num_attention_heads",
             )
     return {"num_attention_heads": heads, "num_key_value_heads": attn.num_kv_heads, "head_dim": attn.head_dim,
             "hidden_size": heads * attn.head_dim}  # fmt: skip
@@ -135,8 +145,9 @@ def attention_fields(
 
 def _dense_only(model: ModelGeometry) -> None:
     if model.state is not None or set(model.layers) - {"A"}:
-        raise UnsupportedByVllmError("no_config_writer",
-            f"{model.architecture}: its config.json spells full-attention layers only, not {model.layers!r}"
+        raise UnsupportedByVllmError(
+            "no_config_writer",
+            f"{model.architecture}: its config.json spells full-attention layers only, not {model.layers!r}",
         )
 
 
@@ -164,8 +175,8 @@ def deepseek_mla(scenario: Scenario, common: dict[str, Any]) -> dict[str, Any]:
     attn = model.attention
     _dense_only(model)
     if attn.kind != "mla" or attn.indexer_head_dim:
-        raise UnsupportedByVllmError("no_config_writer",
-            f"{model.architecture}: MLA without a sparse indexer (kind {attn.kind!r})"
+        raise UnsupportedByVllmError(
+            "no_config_writer", f"{model.architecture}: MLA without a sparse indexer (kind {attn.kind!r})"
         )
     model_type = {"DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3",
                   "Glm4MoeLiteForCausalLM": "glm4_moe_lite"}[model.architecture]  # fmt: skip
@@ -189,7 +200,9 @@ def deepseek_sparse_mla(scenario: Scenario, common: dict[str, Any]) -> dict[str,
     attn = model.attention
     _dense_only(model)
     if attn.kind != "mla" or not attn.indexer_head_dim or attn.indexer_layers is not None:
-        raise UnsupportedByVllmError("no_config_writer", f"{model.architecture}: MLA with an indexer on every layer")
+        raise UnsupportedByVllmError(
+            "no_config_writer", f"{model.architecture}: MLA with an indexer on every layer"
+        )
     model_type = {"GlmMoeDsaForCausalLM": "glm_moe_dsa", "DeepseekV32ForCausalLM": "deepseek_v32"}[
         model.architecture
     ]
@@ -211,7 +224,9 @@ def gemma3(scenario: Scenario, common: dict[str, Any]) -> dict[str, Any]:
     model = scenario.model
     assert model is not None and model.attention is not None
     if model.state is not None or set(model.layers) - {"A", "S"}:
-        raise UnsupportedByVllmError("no_config_writer", f"{model.architecture}: layers are sliding (S) or full (A) only")
+        raise UnsupportedByVllmError(
+            "no_config_writer", f"{model.architecture}: layers are sliding (S) or full (A) only"
+        )
     return {
         **common, **attention_fields(scenario), "model_type": "gemma3_text",
         "layer_types": ["sliding_attention" if c == "S" else "full_attention" for c in model.layers],
@@ -237,10 +252,13 @@ def gemma4(scenario: Scenario, common: dict[str, Any]) -> dict[str, Any]:
     assert model is not None and model.attention is not None
     attn = model.attention
     if model.state is not None or set(model.layers) - {"A", "S"}:
-        raise UnsupportedByVllmError("no_config_writer", f"{model.architecture}: layers are sliding (S) or full (A) only")
+        raise UnsupportedByVllmError(
+            "no_config_writer", f"{model.architecture}: layers are sliding (S) or full (A) only"
+        )
     if model.layers[-1] != "A":
-        raise UnsupportedByVllmError("no_config_writer",
-            f"{model.architecture}: Gemma4TextConfig forces the last layer to full attention"
+        raise UnsupportedByVllmError(
+            "no_config_writer",
+            f"{model.architecture}: Gemma4TextConfig forces the last layer to full attention",
         )
     fields = attention_fields(scenario, per_layer=True)
     if not attn.num_attention_heads and attn.num_global_kv_heads:  # the full layers group them too
@@ -285,9 +303,10 @@ def nemotron_h(scenario: Scenario, common: dict[str, Any]) -> dict[str, Any]:
     model, st = scenario.model, _state(scenario, "mamba2")
     assert model is not None
     if st.intermediate_size != st.n_heads * st.head_dim:
-        raise UnsupportedByVllmError("no_config_writer",
+        raise UnsupportedByVllmError(
+            "no_config_writer",
             f"{model.architecture}: vLLM derives intermediate_size = mamba_num_heads * mamba_head_dim "
-            f"({st.n_heads * st.head_dim}), the scenario has {st.intermediate_size}"
+            f"({st.n_heads * st.head_dim}), the scenario has {st.intermediate_size}",
         )
     return {
         **common, **attention_fields(scenario), "model_type": "nemotron_h",
@@ -305,8 +324,12 @@ QWEN35 = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration
 def _dense_moe(tensor_parallel_size: int) -> dict[str, Any]:
     """The smallest MoE the family's model class accepts at this TP size (it refuses more TP ranks
     than experts): the experts hold no KV cache."""
-    return {"num_experts": max(4, tensor_parallel_size), "num_experts_per_tok": 2, "moe_intermediate_size": 64,
-            "shared_expert_intermediate_size": 64}  # fmt: skip
+    return {
+        "num_experts": max(4, tensor_parallel_size),
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 64,
+        "shared_expert_intermediate_size": 64,
+    }
 
 
 def qwen35_model_class_importable() -> bool:
@@ -335,14 +358,23 @@ def qwen_gdn(scenario: Scenario, common: dict[str, Any]) -> dict[str, Any]:
         # the CPU install must remove. Qwen3Next's model class computes the GDN state with the
         # same calls; offline.py then applies Qwen3.5's mamba_ssm_dtype rule with vLLM's own
         # Qwen3_5ForConditionalGenerationConfig.
-        text.update(architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next",
-                    **_dense_moe(scenario.runtime.tensor_parallel_size), kvconform_substitutes=arch)  # fmt: skip
+        text.update(
+            architectures=["Qwen3NextForCausalLM"],
+            model_type="qwen3_next",
+            **_dense_moe(scenario.runtime.tensor_parallel_size),
+            kvconform_substitutes=arch,
+        )
         if st.ssm_dtype != "auto":
             text["mamba_ssm_dtype"] = st.ssm_dtype
         return text
     if arch == "Qwen3NextForCausalLM":
         _no_state_dtype_field(scenario)
-        return {**common, **text, "model_type": "qwen3_next", **_dense_moe(scenario.runtime.tensor_parallel_size)}
+        return {
+            **common,
+            **text,
+            "model_type": "qwen3_next",
+            **_dense_moe(scenario.runtime.tensor_parallel_size),
+        }
     moe = arch == "Qwen3_5MoeForConditionalGeneration"
     text["model_type"] = "qwen3_5_moe_text" if moe else "qwen3_5_text"
     if moe:
@@ -370,8 +402,9 @@ def kimi_linear(scenario: Scenario, common: dict[str, Any]) -> dict[str, Any]:
     assert model is not None and model.attention is not None
     attn = model.attention
     if attn.kind != "mla" or attn.indexer_head_dim:
-        raise UnsupportedByVllmError("no_config_writer",
-            f"{model.architecture}: full-attention layers are MLA without an indexer (kind {attn.kind!r})"
+        raise UnsupportedByVllmError(
+            "no_config_writer",
+            f"{model.architecture}: full-attention layers are MLA without an indexer (kind {attn.kind!r})",
         )
     codes = layer_list(model, "A", "M")
     rope = attn.qk_rope_head_dim
@@ -409,8 +442,8 @@ def jamba(scenario: Scenario, common: dict[str, Any]) -> dict[str, Any]:
     attn = [i for i, c in enumerate(model.layers) if c == "A"]
     period = attn[1] - attn[0] if len(attn) > 1 else model.num_hidden_layers
     if not attn or attn != list(range(attn[0], model.num_hidden_layers, period)) or attn[0] >= period:
-        raise UnsupportedByVllmError("no_config_writer",
-            f"{model.architecture}: attention layers are not periodic ({model.layers})"
+        raise UnsupportedByVllmError(
+            "no_config_writer", f"{model.architecture}: attention layers are not periodic ({model.layers})"
         )
     expand = 2 if st.intermediate_size % 2 == 0 else 1
     return {

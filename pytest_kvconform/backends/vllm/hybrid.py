@@ -35,9 +35,13 @@ def kernel_block_backend(alignment: int, kv_cache_dtype: str = "auto") -> type:
 
         base = TritonAttentionBackend
     elif kv_cache_dtype in ("nvfp4", "nvfp4_4over6"):
-        raise UnsupportedByVllmError("cpu_build", f"{kv_cache_dtype} is packed by FlashInfer, which a CPU build lacks")
+        raise UnsupportedByVllmError(
+            "cpu_build", f"{kv_cache_dtype} is packed by FlashInfer, which a CPU build lacks"
+        )
     elif kv_cache_dtype == "ultraquant_4bit":
-        raise UnsupportedByVllmError("cpu_build", "the UltraQuant backend imports Triton kernels, which a CPU build lacks")
+        raise UnsupportedByVllmError(
+            "cpu_build", "the UltraQuant backend imports Triton kernels, which a CPU build lacks"
+        )
 
     def sizes(kv_cache_spec: Any = None) -> list[Any]:
         return [MultipleOf(alignment)]
@@ -115,9 +119,10 @@ def _align(scenario: Scenario, platform: type) -> HybridAlignment | None:
         return None
     # the mode vLLM settled on: the scenario's, or its default where the scenario leaves it unset
     if getattr(config.cache_config, "mamba_cache_mode", "none") == "align" and rt.extra_block_alignment != 1:
-        raise UnsupportedByVllmError("constructed_layers",
+        raise UnsupportedByVllmError(
+            "constructed_layers",
             "the prefill checkpoint alignment comes from constructed Mamba layers "
-            "(get_mamba_prefill_checkpoint_alignment); a config-only model has none"
+            "(get_mamba_prefill_checkpoint_alignment); a config-only model has none",
         )
     state = _mamba_page_bytes(config)
     backend = kernel_block_backend(rt.kernel_block_alignment, rt.kv_cache_dtype)

@@ -41,8 +41,19 @@ class EngineSpecs:
 
 #: GPU-only libraries a model's layers import that a CPU build of vLLM does not ship: building a
 #: model that imports one is an offline gap (``cpu_build``); any other failure is a crash
-GPU_ONLY_MODULES = frozenset({"cutlass", "nvidia_cutlass_dsl", "cuda", "flashinfer", "deep_gemm", "triton",
-                              "flash_attn", "vllm_flash_attn", "fla"})
+GPU_ONLY_MODULES = frozenset(
+    {
+        "cutlass",
+        "nvidia_cutlass_dsl",
+        "cuda",
+        "flashinfer",
+        "deep_gemm",
+        "triton",
+        "flash_attn",
+        "vllm_flash_attn",
+        "fla",
+    }
+)
 
 _DISTRIBUTED: list[str] = []
 
@@ -156,7 +167,8 @@ def build_engine_specs(
             if (exc.name or "").partition(".")[0] not in GPU_ONLY_MODULES:
                 raise
             raise UnsupportedByVllmError(
-                "cpu_build", f"{config.model_config.architecture} imports {exc.name}, which this CPU build lacks"
+                "cpu_build",
+                f"{config.model_config.architecture} imports {exc.name}, which this CPU build lacks",
             ) from exc
         platform_cls = type(current_platform)
         backends = non_ssm_backends(platform_cls, config)

@@ -123,19 +123,23 @@ def vllm_config(scenario: Scenario, platform: type) -> Any:
     model_config = copy.copy(_model_config(text, model.dtype, requested, platform))
     model_config.config_updated = False
     if model_config.max_model_len != rt.max_model_len:
-        raise UnsupportedByVllmError("offline_config",
+        raise UnsupportedByVllmError(
+            "offline_config",
             f"max_model_len = -1: vLLM derives {model_config.max_model_len} from the generated config, "
-            f"not the scenario's max_position_embeddings {rt.max_model_len}"
+            f"not the scenario's max_position_embeddings {rt.max_model_len}",
         )
     if rt.max_concurrent_batches not in (1, 2):
-        raise UnsupportedByVllmError("offline_config",
+        raise UnsupportedByVllmError(
+            "offline_config",
             f"max_concurrent_batches={rt.max_concurrent_batches}: vLLM derives it from async scheduling "
-            "(2) or pipeline parallelism, which the offline config does not model"
+            "(2) or pipeline parallelism, which the offline config does not model",
         )
     register_kv_cache_dtypes(rt.registered_kv_cache_dtypes)
     if rt.kv_cache_dtype == "ultraquant_4bit":  # also when every attention layer is a skip layer:
         # Platform._align_hybrid_block_size imports UltraQuantAttentionBackend for the dtype
-        raise UnsupportedByVllmError("cpu_build", "the UltraQuant backend imports Triton kernels, which a CPU build lacks")
+        raise UnsupportedByVllmError(
+            "cpu_build", "the UltraQuant backend imports Triton kernels, which a CPU build lacks"
+        )
     if "mamba_cache_mode" in rt.unset:  # vLLM decides: the prefix-caching default, then the model's hook
         mode: dict[str, Any] = {
             "enable_prefix_caching": _default_prefix_caching(text, model.dtype, rt.max_model_len, platform)
@@ -249,7 +253,9 @@ def register_kv_cache_dtypes(registered: tuple[tuple[str, str], ...]) -> None:
     try:
         from vllm.config.cache import register_kv_cache_dtype
     except ImportError:
-        raise UnsupportedByVllmError("release_lacks", "this vLLM has no register_kv_cache_dtype (new in 0.33)") from None
+        raise UnsupportedByVllmError(
+            "release_lacks", "this vLLM has no register_kv_cache_dtype (new in 0.33)"
+        ) from None
     import torch
     from vllm.config.cache import get_kv_cache_dtype_handler
     from vllm.v1.kv_cache_interface import KVQuantMode
@@ -276,7 +282,9 @@ def speculative_config(scenario: Scenario, model_config: Any, parallel: Any) -> 
     if method is None:
         return None
     if method not in ("mtp", "ngram"):
-        raise UnsupportedByVllmError("draft_checkpoint", f"speculative method {method!r}: needs a draft checkpoint")
+        raise UnsupportedByVllmError(
+            "draft_checkpoint", f"speculative method {method!r}: needs a draft checkpoint"
+        )
     return SpeculativeConfig(
         method=method, num_speculative_tokens=scenario.runtime.num_speculative_tokens,
         target_model_config=model_config, target_parallel_config=parallel,

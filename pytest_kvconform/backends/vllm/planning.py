@@ -24,10 +24,10 @@ from typing import Any
 
 from ...model import KVCacheGroup, MemoryCheck
 from ...reference.specs import KVCacheSpec
+from ...rejections import rejection_kind
 from ...scenario import RuntimeSettings
 from .api import group_bytes_per_block, resolve_layout
 from .config_view import spec_level_config
-from ...rejections import rejection_kind
 from .private import private
 from .runtime import vllm_runtime
 from .specs import from_vllm_spec, spec_kind, to_vllm_spec

@@ -36,24 +36,46 @@ class PrivateSymbol:
     until: str = ""
 
 
-SYMBOLS: dict[str, PrivateSymbol] = {s.name: s for s in (
-    PrivateSymbol("_check_enough_kv_cache_memory", PLANNING,
-                  "replaced while get_kv_cache_configs runs, to record the admission check it makes",
-                  ("available_memory", "get_needed_memory", "max_model_len", "estimate_max_model_len")),
-    PrivateSymbol("_auto_fit_max_model_len", PLANNING,
-                  "replaced while get_kv_cache_configs runs, to record the length and the text it logs"),
-    PrivateSymbol("logger", PLANNING, "replaced while auto-fit runs, to keep its info_once text"),
-    PrivateSymbol("_run_in_subprocess", ("vllm.model_executor.models.registry",),
-                  "model classes are inspected in this process (they are built here anyway)", ("fn",)),
-    PrivateSymbol("_cached_get_attn_backend", ("vllm.v1.attention.selector",),
-                  "cleared when the platform class is swapped (cached per selector config, not platform)"),
-    PrivateSymbol("_align_hybrid_block_size", ("vllm.platforms.interface:Platform",),
-                  "Phase 2 of update_block_size_for_backend, asked alone for the hybrid alignment rule",
-                  ("vllm_config", "backend_cls")),
-    PrivateSymbol("_set_default_chunked_prefill_and_prefix_caching_args", ("vllm.engine.arg_utils:EngineArgs",),
-                  "the prefix-caching default of `vllm serve`, asked of the scenario's ModelConfig",
-                  ("self", "model_config")),
-)}  # fmt: skip
+SYMBOLS: dict[str, PrivateSymbol] = {
+    s.name: s
+    for s in (
+        PrivateSymbol(
+            "_check_enough_kv_cache_memory",
+            PLANNING,
+            "replaced while get_kv_cache_configs runs, to record the admission check it makes",
+            ("available_memory", "get_needed_memory", "max_model_len", "estimate_max_model_len"),
+        ),
+        PrivateSymbol(
+            "_auto_fit_max_model_len",
+            PLANNING,
+            "replaced while get_kv_cache_configs runs, to record the length and the text it logs",
+        ),
+        PrivateSymbol("logger", PLANNING, "replaced while auto-fit runs, to keep its info_once text"),
+        PrivateSymbol(
+            "_run_in_subprocess",
+            ("vllm.model_executor.models.registry",),
+            "model classes are inspected in this process (they are built here anyway)",
+            ("fn",),
+        ),
+        PrivateSymbol(
+            "_cached_get_attn_backend",
+            ("vllm.v1.attention.selector",),
+            "cleared when the platform class is swapped (cached per selector config, not platform)",
+        ),
+        PrivateSymbol(
+            "_align_hybrid_block_size",
+            ("vllm.platforms.interface:Platform",),
+            "Phase 2 of update_block_size_for_backend, asked alone for the hybrid alignment rule",
+            ("vllm_config", "backend_cls"),
+        ),
+        PrivateSymbol(
+            "_set_default_chunked_prefill_and_prefix_caching_args",
+            ("vllm.engine.arg_utils:EngineArgs",),
+            "the prefix-caching default of `vllm serve`, asked of the scenario's ModelConfig",
+            ("self", "model_config"),
+        ),
+    )
+}
 
 
 class VllmPrivateApiError(RuntimeError):
@@ -77,7 +99,9 @@ def locate(name: str, version: str) -> tuple[Any, Any]:
     :data:`SYMBOLS`; :class:`VllmPrivateApiError` when it is not where it should be."""
     symbol = SYMBOLS[name]
     release = ".".join(version.split(".")[:2])
-    expected = _key(release) >= _key(symbol.since) and (not symbol.until or _key(release) <= _key(symbol.until))
+    expected = _key(release) >= _key(symbol.since) and (
+        not symbol.until or _key(release) <= _key(symbol.until)
+    )
     for location in symbol.modules:
         try:
             holder = _holder(location)

@@ -33,8 +33,8 @@ def kv_cache_dtype_bytes(kv_cache_dtype: str, model_dtype: str) -> int:
     try:
         dtype = kv_cache_dtype_str_to_dtype(kv_cache_dtype, model_config)
     except KeyError:  # e.g. the octave_* formats are newer than vLLM 0.32
-        raise UnsupportedByVllmError("release_lacks",
-            f"vLLM {installed_vllm_version()} has no kv_cache_dtype {kv_cache_dtype!r}"
+        raise UnsupportedByVllmError(
+            "release_lacks", f"vLLM {installed_vllm_version()} has no kv_cache_dtype {kv_cache_dtype!r}"
         ) from None
     return int(get_dtype_size(dtype))
 

@@ -98,7 +98,6 @@ def test_golden_agrees_with_its_expect(folder: str, name: str, path: Path, relea
     assert not wrong, f"vLLM {release}: {where} disagrees with {path.name}: " + "; ".join(wrong)
 
 
-
 @pytest.mark.parametrize("folder", list(SUITES))
 def test_every_release_has_every_golden(folder: str) -> None:
     """The golden folder of each release holds a golden of every case (and nothing else)."""

@@ -41,7 +41,6 @@ NOT_ENOUGH_MEMORY = (
 )
 
 
-
 def check_memory(backend: Any, reference: Any, scenario: Scenario) -> Any:
     return call_rule(backend, "check_memory", reference.layer_specs(scenario), scenario=scenario)
 
@@ -329,7 +328,10 @@ def test_vllm43626_mamba_page_is_padded_not_scaled(kv_backend: Any, kv_reference
     s = GRANITE_DRAFT().with_runtime(unify_policy="pad-to-max")
     specs = kv_reference.layer_specs(s)
     if not kv_reference.release.has("mamba_page_padding"):  # vLLM 0.23 ... 0.25
-        assert outcome(kv_backend, "unify_page_sizes", specs, scenario=s) == ("rejects", "pages_not_unifiable")
+        assert outcome(kv_backend, "unify_page_sizes", specs, scenario=s) == (
+            "rejects",
+            "pages_not_unifiable",
+        )
         return
     out = call_rule(kv_backend, "unify_page_sizes", specs, scenario=s)
     target, state, draft = out["layer_specs.0.0"], out["layer_specs.1.0"], out["layer_specs.2.0"]

@@ -40,7 +40,9 @@ def unify(backend: Any, scenario: Scenario, specs: dict[str, Any], policy: str) 
     kind)``; a backend with one fixed policy (``unify_policy``) declines the others."""
     fixed = getattr(backend, "unify_policy", None)
     if fixed and fixed != policy:
-        raise Declined(f"[unification] backend {backend.name!r} always unifies with {fixed!r}, not {policy!r}")
+        raise Declined(
+            f"[unification] backend {backend.name!r} always unifies with {fixed!r}, not {policy!r}"
+        )
     return outcome(backend, "unify_page_sizes", specs, scenario=scenario.with_runtime(unify_policy=policy))
 
 
@@ -211,7 +213,6 @@ def test_metal235_qwen35_08b_today(kv_backend: Any, loader: Any, block: int, ker
     plan = backend_plan(kv_backend, loader())
     assert plan.block_size == block
     assert (plan.kernel_block_size, plan.kernel_blocks_per_block) == kernel
-
 
 
 # ----------------------------------------------------------------------------- 3. GLM fp8_ds_mla

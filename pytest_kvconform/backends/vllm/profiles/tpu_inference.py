@@ -271,7 +271,11 @@ def _dp_attention(rt: Any) -> bool:
 
 def _mla_without_new_design(scenario: Any) -> bool:
     model, rt = scenario.model, scenario.runtime
-    return model is not None and model.use_mla and not (dict(rt.env).get("NEW_MODEL_DESIGN") and _dp_attention(rt))
+    return (
+        model is not None
+        and model.use_mla
+        and not (dict(rt.env).get("NEW_MODEL_DESIGN") and _dp_attention(rt))
+    )
 
 
 def _no_jax_dtype(scenario: Any) -> bool:
@@ -283,9 +287,13 @@ def _pinned_pool(scenario: Any) -> bool:
 
 
 MLA_WITHOUT_NEW_MODEL_DESIGN = InputKind(
-    "mla_without_new_model_design", "an MLA model without NEW_MODEL_DESIGN=1 and DP attention", _mla_without_new_design
+    "mla_without_new_model_design",
+    "an MLA model without NEW_MODEL_DESIGN=1 and DP attention",
+    _mla_without_new_design,
 )
-NO_JAX_DTYPE = InputKind("no_jax_kv_cache_dtype", "a kv_cache_dtype tpu-inference has no JAX type for", _no_jax_dtype)
+NO_JAX_DTYPE = InputKind(
+    "no_jax_kv_cache_dtype", "a kv_cache_dtype tpu-inference has no JAX type for", _no_jax_dtype
+)
 PINNED_POOL = InputKind("pinned_pool", "num_gpu_blocks_override set", _pinned_pool)
 _PINNED = (
     "vLLM's KVCacheConfig then has the pinned block count whatever memory it is given, so a pool of a few "
@@ -304,17 +312,20 @@ class TpuInferenceBackend(VllmBackend):
     worker: ClassVar[type | str | None] = WORKER
     #: TPUWorker.initialize_from_config allocates the pool (JAX arrays on the CPU mesh), except where
     #: the engine pins its block count; what tpu-inference refuses to start with is declined
-    declines: ClassVar[Declines] = VllmBackend.declines | Declines({
-        "hybrid_alignment": "TpuPlatform.update_block_size_for_backend never runs "
-        "Platform._align_hybrid_block_size (removed by design, tpu-inference #2090 -> #2627): the hybrid page "
-        "is unified by KVCacheManager.update_mamba_page_size_padded, checked by the layer specs and the plan",
-        ("*", MLA_WITHOUT_NEW_MODEL_DESIGN): MLA_REFUSAL,
-        ("*", NO_JAX_DTYPE): "TPUModelRunner._init_inputs -> tpu_inference.utils.to_jax_dtype raises "
-        "TypeError (data type not understood): the engine cannot start",
-        ("allocation", HYBRID): "KVCacheManager._maybe_set_compact_mamba_num_blocks_override pins "
-        f"num_gpu_blocks_override for a hybrid: {_PINNED}",
-        ("allocation", PINNED_POOL): f"the scenario pins num_gpu_blocks_override: {_PINNED}",
-    })  # fmt: skip
+    declines: ClassVar[Declines] = VllmBackend.declines | Declines(
+        {
+            "hybrid_alignment": "TpuPlatform.update_block_size_for_backend never runs "
+            "Platform._align_hybrid_block_size (removed by design, tpu-inference #2090 -> #2627): the "
+            "hybrid page is unified by KVCacheManager.update_mamba_page_size_padded, checked by the layer "
+            "specs and the plan",
+            ("*", MLA_WITHOUT_NEW_MODEL_DESIGN): MLA_REFUSAL,
+            ("*", NO_JAX_DTYPE): "TPUModelRunner._init_inputs -> tpu_inference.utils.to_jax_dtype raises "
+            "TypeError (data type not understood): the engine cannot start",
+            ("allocation", HYBRID): "KVCacheManager._maybe_set_compact_mamba_num_blocks_override pins "
+            f"num_gpu_blocks_override for a hybrid: {_PINNED}",
+            ("allocation", PINNED_POOL): f"the scenario pins num_gpu_blocks_override: {_PINNED}",
+        }
+    )
     #: vLLM core's known bugs stay the vllm backend's; tpu-inference's departures are data in
     #: pytest_kvconform/xfails/tpu-inference.toml
     known_departures: ClassVar[Sequence[Any]] = ()
@@ -372,8 +383,8 @@ class TpuInferenceBackend(VllmBackend):
         )  # fmt: skip
         total = config.sharding_config.total_devices
         if total > len(jax.devices()):
-            raise UnsupportedByVllmError("device_count",
-                f"the mesh needs {total} devices; this CPU JAX has {len(jax.devices())}"
+            raise UnsupportedByVllmError(
+                "device_count", f"the mesh needs {total} devices; this CPU JAX has {len(jax.devices())}"
             )
         worker.devices = jax.devices()[:total]
         worker.topology_order_id = worker.rank  # init_device on a single host
