@@ -444,7 +444,7 @@ def parser() -> argparse.ArgumentParser:
         metavar="SCENARIO",
         help="packaged scenario names, TOML files or folders of *.toml (default: all packaged)",
     )
-    p.add_argument("--json", action="store_true", help="print the report document (kvconform-report/1)")
+    p.add_argument("--json", action="store_true", help="print the report document (kvconform-report/2)")
     p.add_argument("--report", metavar="PATH", help="also write the report: PATH.json, else Markdown")
     p.add_argument("--xfails", metavar="PATH", help="TOML file of known departures, as --kvconform-xfails")
     p.add_argument(

@@ -26,7 +26,7 @@ class Empty(ReferenceBackend):
 
 class Partial(ReferenceBackend):
     name = "partial"
-    declines = ReferenceBackend.declines | Declines({"one_sequence": "no one-sequence estimate on this device"})
+    declines = ReferenceBackend.declines | Declines({"one_sequence": "no one-sequence estimate here"})
     def kv_cache_groups(self, specs, scenario):
         raise OfflineGap("cpu_build", "no grouper on this host")
     def one_sequence_bytes(self, block_size, state_page_padded, scenario):
@@ -60,8 +60,14 @@ def test_the_reference_checks_only_its_expectations(capsys: pytest.CaptureFixtur
     a matrix of the reference agreeing with itself."""
     code, doc = check_json(capsys, GRANITE)
     assert code == 0
-    assert (doc["schema"], doc["producer"], doc["mode"]) == ("kvconform-report/2", "kvconform check", "self-check")
-    assert [(r["test"], r["verdict"]) for r in doc["results"]] == [(f"test_expectations[{GRANITE}]", "agreed")]
+    assert (doc["schema"], doc["producer"], doc["mode"]) == (
+        "kvconform-report/2",
+        "kvconform check",
+        "self-check",
+    )
+    assert [(r["test"], r["verdict"]) for r in doc["results"]] == [
+        (f"test_expectations[{GRANITE}]", "agreed")
+    ]
     assert doc["reference"] == {"vllm_release": "0.33", "selected_by": "--kvconform-vllm"}
 
 
@@ -70,9 +76,19 @@ def test_every_check_of_a_hybrid_applies(backends: Path, capsys: pytest.CaptureF
     not applicable (an empty subclass answers each with the reference's code)."""
     _, doc = check_json(capsys, GRANITE, "--backend", "clicheck:Empty")
     assert {r for r in doc["rules"] if doc["rules"][r]["inherited"]} == {
-        "hybrid_alignment", "block_size", "state_page", "layer_specs", "attention_page", "max_memory",
-        "unification", "grouping", "memory", "one_sequence", "kernel_block", "plan",
-    }  # fmt: skip
+        "hybrid_alignment",
+        "block_size",
+        "state_page",
+        "layer_specs",
+        "attention_page",
+        "max_memory",
+        "unification",
+        "grouping",
+        "memory",
+        "one_sequence",
+        "kernel_block",
+        "plan",
+    }
 
 
 def test_a_departure_exits_1_and_names_scenario_rule_field_and_values(

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any
 
 import pytest
 
 from pytest_kvconform.backends.base import RULE_FAMILIES, ReferenceBackend
-from pytest_kvconform.requirements import Declines
 from pytest_kvconform.errors import RuleError
 from pytest_kvconform.gaps import OfflineGap
 from pytest_kvconform.model import BlockChoice
@@ -24,6 +23,7 @@ from pytest_kvconform.reference import plan as reference_plan
 from pytest_kvconform.reference.specs import MambaSpec
 from pytest_kvconform.regressions import REGRESSION_SCENARIOS
 from pytest_kvconform.rejections import Rejected
+from pytest_kvconform.requirements import Declines
 from pytest_kvconform.scenario import Scenario, load_scenario
 
 GRANITE = "granite-4.0-h-tiny"  # hybrid: block 400, 10 groups of 4 (4 attention, 36 Mamba2 layers)
@@ -142,7 +142,9 @@ def test_an_offline_gap_takes_the_reference_answer_and_is_traced() -> None:
     assert {s.family for s in trace.by("reference")} == {"platform", "kernel_block", "allocation"}
     [declined] = [s for s in trace.by("reference") if s.family == "kernel_block"]
     assert declined.method == "kernel_block_size"
-    assert declined.reason.startswith("cannot run here: ") and "this host has no paged kernel" in declined.reason
+    assert (
+        declined.reason.startswith("cannot run here: ") and "this host has no paged kernel" in declined.reason
+    )
     assert {s.method for s in trace.by("inherited")} >= {"layer_specs", "kv_cache_groups", "check_memory"}
 
 
@@ -158,7 +160,8 @@ def test_a_declined_rule_is_answered_by_the_reference() -> None:
     trace = NoEstimate().trace(scenario)
     assert trace.plan == reference_plan(scenario)
     assert [str(s) for s in trace.by("reference") if s.family == "one_sequence"] == [
-        "one_sequence.one_sequence_bytes: reference (does not provide one_sequence: no such rule on this hardware)"
+        "one_sequence.one_sequence_bytes: reference (does not provide one_sequence: "
+        "no such rule on this hardware)"
     ]
 
 

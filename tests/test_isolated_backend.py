@@ -24,7 +24,10 @@ from pytest_kvconform import provenance
 from pytest_kvconform.backends.base import ReferenceBackend
 from pytest_kvconform.backends.isolated import IsolatedBackend, RemoteObject
 from pytest_kvconform.backends.registry import BackendError, build_backend, resolve_backend
+from pytest_kvconform.conformance import ask, declined_reason
+from pytest_kvconform.rejections import rejection_kind
 from pytest_kvconform.scenario import load_scenario
+from pytest_kvconform.verdict import Declined
 
 ROOT = Path(__file__).resolve().parents[1]
 TOY = ROOT / "tests" / "toy_plugin"
@@ -84,8 +87,20 @@ def test_who_answered_is_decided_in_the_backends_process(wide: IsolatedBackend) 
     assert provenance.ask(wide, "kernel_block_size", 16, scenario=scenario).by == provenance.INHERITED
     assert provenance.ask(wide, "attention_page_bytes", scenario=scenario).by == provenance.INHERITED
     assert provenance.composes_plan(wide)
-    rejected = provenance.ask(wide, "kernel_block_size", 16, scenario=load_scenario("deepseek-v3-fp8"))
-    assert type(rejected.error).__name__ == "RuleNotApplicable" and rejected.pid == wide.process["pid"]
+    # a refusal raised there is kept with the process that raised it: a rejection of its kind
+    plan = ReferenceBackend().plan(scenario)
+    allocation = wide.allocate_kv_cache(plan, 3, scenario=scenario)
+    rejected = provenance.ask(wide, "check_kv_cache_config", allocation, 4, scenario=scenario)
+    assert rejection_kind(rejected.error) == "oversized_config" and rejected.pid == wide.process["pid"]
+    # what it declines is its declaration, read from its process once: no call crosses for it
+    mla = load_scenario("deepseek-v3-fp8")
+    assert "MLA models never take the toy paged kernel" in (
+        declined_reason(wide, "kernel_block", mla, "kernel_block_size") or "")  # fmt: skip
+    assert declined_reason(wide, "kernel_block", scenario, "kernel_block_size") is None
+    wide.close()  # its process stopped: the declaration still decides
+    with provenance.ledger() as ledger, pytest.raises(Declined, match="MLA models never take"):
+        ask(wide, "kernel_block_size", 16, scenario=mla)
+    assert [a[:3] for a in ledger.answers] == [("kernel_block", "kernel_block_size", provenance.REFERENCE)]
 
 
 def test_what_cannot_be_pickled_stays_in_the_backends_process(wide: IsolatedBackend) -> None:
@@ -144,15 +159,22 @@ def test_the_report_says_which_process_answered(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("PYTHONPATH", f"{TOY}:{ROOT}")
+    """The backend's own allocate_kv_cache answers (agreed) in its process: the report's
+    ``isolation`` section says why it was isolated and which process answered each test; the
+    results themselves carry no process ids."""
     result = pytester.runpytest_subprocess(
-        "-p", "no:cacheprovider", "--pyargs", "pytest_kvconform.suites.test_kvconform_rules",
-        "-k", "test_attention_page_bytes and qwen2 and tp4", "--kvconform-backend=toy-wide-heads",
-        "--kvconform-report=r.json",
+        "-p", "no:cacheprovider", "--pyargs", "pytest_kvconform.suites.test_kvconform_allocation",
+        "-k", "test_pool_holds_exactly_the_planned_blocks and qwen2 and tp4",
+        "--kvconform-backend=toy-wide-heads", "--kvconform-report=r.json",
     )  # fmt: skip
     result.assert_outcomes(passed=1)
     header = next(line for line in result.outlines if line.startswith("kvconform: backend=toy-wide-heads"))
     assert "answers in its own process (sets kvtoy.device.HEAD_DIM_ALIGN" in header
     document = json.loads((pytester.path / "r.json").read_text())
-    assert document["process"] == {"isolated": True, "why": WIDE_WHY}
-    (answered,) = {pid for r in document["results"] for pid in r["processes"]}
-    assert len(document["results"]) == 1 and answered > 0
+    (record,) = document["results"]
+    assert (record["verdict"], record["answers"]["own"]) == ("agreed", 1)
+    assert "processes" not in record and "process" not in document
+    assert document["isolation"]["why"] == WIDE_WHY
+    assert list(document["isolation"]["processes"]) == [record["test"]]
+    (answered,) = document["isolation"]["processes"][record["test"]]
+    assert answered > 0 and answered != os.getpid()

@@ -7,8 +7,13 @@ import pytest
 pytest.importorskip("mlx.core")
 
 from pytest_kvconform.backends.base import ReferenceBackend
-from pytest_kvconform.backends.metal import MetalBackend
-from pytest_kvconform.scenario import load_scenario, parse_scenario
+from pytest_kvconform.backends.metal import SHARED_GROUP_SLOTS, MetalBackend
+from pytest_kvconform.conformance import assert_same_outcome, outcome, plan_view
+from pytest_kvconform.provenance import ledger
+from pytest_kvconform.rejections import rejection_kind
+from pytest_kvconform.requirements import known_departures_for
+from pytest_kvconform.scenario import Scenario, load_scenario, parse_scenario
+from pytest_kvconform.verdict import Departure
 
 # The shrunk hypothesis counterexample that found the group-size divergence
 # (pytest_kvconform/suites/test_kvconform_properties.py).
@@ -38,6 +43,16 @@ kv_cache_memory_bytes = 1048576
 @pytest.fixture(scope="module")
 def metal() -> MetalBackend:
     return MetalBackend()
+
+
+def _plan_departure(metal: MetalBackend, scenario: Scenario) -> dict[str, str]:
+    """The first difference of the metal backend's plan from the reference's, as a test reports it."""
+    with ledger():
+        expected = outcome(ReferenceBackend(), "plan", scenario=scenario)
+        got = outcome(metal, "plan", scenario=scenario)
+        with pytest.raises(Departure) as departed:
+            assert_same_outcome("plan", metal, scenario, "plan", expected, got, plan_view)
+    return departed.value.to_dict()
 
 
 def test_version_names_mlx_and_device(metal: MetalBackend) -> None:
@@ -72,7 +87,11 @@ def test_pool_block_holds_only_the_attention_layers(metal: MetalBackend) -> None
     assert (reference.block_size, reference.group_size) == (128, 4)
     assert (reference.bytes_per_block, measured.bytes_per_block) == (327_680, 245_760)
     assert (reference.num_blocks, measured.num_blocks) == (3, 4)
-    assert metal.unsupported(scenario) is not None  # discarded by the property tests, pinned here
+    # a known departure by kind of input (the property tests count it as known), pinned here
+    departure = _plan_departure(metal, scenario)
+    assert departure == {"field": "bytes_per_block", "reference": "327680", "backend": "245760"}
+    known = known_departures_for(metal.known_departures, "plan", "test_plan_generated", scenario)
+    assert [k.when for k in known if k.matches(departure)] == [SHARED_GROUP_SLOTS]
 
 
 def test_packed_kv_dtype_is_not_modelled(metal: MetalBackend) -> None:
@@ -80,9 +99,16 @@ def test_packed_kv_dtype_is_not_modelled(metal: MetalBackend) -> None:
     model_config.dtype, vllm-metal#198; --kv-cache-dtype is never read); the runtime refuses to size
     a pool of fp8_ds_mla latents and uint8 indexer keys instead of guessing."""
     scenario = load_scenario("glm-5-fp8-ds-mla")
-    assert "fp8_ds_mla" in (metal.unsupported(scenario) or "")
-    with pytest.raises(ValueError, match="no packed or padded KV pages"):
+    assert metal.declines.reason("plan", scenario) is None  # not declined: the pool refuses it
+    with pytest.raises(ValueError, match="no packed or padded KV pages") as refused:
         metal.plan(scenario)
+    assert rejection_kind(refused.value) == "unsupported_kv_cache_dtype"
+    # a known departure of test_plan on this scenario, naming fp8_ds_mla, matching the refusal
+    departure = _plan_departure(metal, scenario)
+    assert departure["backend"] == "'rejects: unsupported_kv_cache_dtype'"
+    known = known_departures_for(metal.known_departures, "plan", "test_plan[glm-5-fp8-ds-mla]", scenario)
+    named = [k for k in known if k.test == "test_plan[glm-5-fp8-ds-mla]"]
+    assert len(named) == 1 and "fp8_ds_mla" in named[0].reason and named[0].matches(departure)
 
 
 def test_state_slot_is_billed_fp32_when_pages_are_not_padded(metal: MetalBackend) -> None:

@@ -125,13 +125,18 @@ def test_xdist_gives_the_same_outcomes(pytester: pytest.Pytester) -> None:
     _, serial = _matrix(pytester, *args, "-n", "0")
     _, parallel = _matrix(pytester, *args, "-n", "2")
     assert parallel == serial
-    assert sum(c["departed"] for c in serial.values()) >= 5 and sum(c["inherited"] for c in serial.values()) > 100
+    assert (
+        sum(c["departed"] for c in serial.values()) >= 5
+        and sum(c["inherited"] for c in serial.values()) > 100
+    )
 
 
 def test_bad_scenario_file_is_reported_with_file_and_key(pytester: pytest.Pytester) -> None:
     bad = pytester.path / "bad.toml"
-    bad.write_text('schema = "kv-scenario/1"\nname = "x"\n[model]\narchitecture = "X"\ndtype = "bfloat16"\n'
-                   'num_hidden_layers = 3\nlayers = "AA"\n')  # fmt: skip
+    bad.write_text(
+        'schema = "kv-scenario/1"\nname = "x"\n[model]\narchitecture = "X"\ndtype = "bfloat16"\n'
+        'num_hidden_layers = 3\nlayers = "AA"\n'
+    )
     result = pytester.runpytest(RULES_SUITE, f"--kvconform-scenarios={bad}", "-k", "plan")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(
@@ -190,7 +195,8 @@ def test_backend_exception_fails_only_that_test(pytester: pytest.Pytester) -> No
 #: Granite aligned at 32 instead of 16: tiny 400 -> 416, micro 528 -> 544 (rules §9 e2)
 GRANITE_AT_32 = (
     '[[xfail]]\nbackend = "wrong-alignment"\nrule = "hybrid_alignment"\n'
-    'test = "test_hybrid_alignment[granite-*]"\nfield = "{field}"\nreason = "aligns to 32 (vllm-metal before PR #262)"\n'
+    'test = "test_hybrid_alignment[granite-*]"\nfield = "{field}"\n'
+    'reason = "aligns to 32 (vllm-metal before PR #262)"\n'
     '[[xfail]]\nbackend = "some-other-backend"\nrule = "hybrid_alignment"\ntest = "*"\nfield = "*"\n'
     'reason = "not ours"\n'
 )
@@ -222,8 +228,12 @@ def test_a_known_departure_in_another_field_fails(pytester: pytest.Pytester) -> 
     result, rules = _matrix(pytester, RULES_SUITE, backend, f"--kvconform-xfails={xfails}", "-k",
                             "test_hybrid_alignment and granite-4.0-h-tiny and not tp4")  # fmt: skip
     assert (rules["hybrid_alignment"]["known"], rules["hybrid_alignment"]["departed"]) == (0, 1)
-    result.stdout.fnmatch_lines(["*block_size: reference 400, backend 416 [[]not the known departure: departs in "
-                                 "state_page_padded_bytes: aligns to 32*"])  # fmt: skip
+    result.stdout.fnmatch_lines(
+        [
+            "*block_size: reference 400, backend 416 [[]not the known departure: departs in "
+            "state_page_padded_bytes: aligns to 32*"
+        ]
+    )
 
 
 @pytest.mark.parametrize(("entry", "message"), [
@@ -305,7 +315,7 @@ class Broken(ReferenceBackend):
 
 class Picky(ReferenceBackend):
     name = "picky"
-    declines = ReferenceBackend.declines | Declines({("*", MLA): "no MLA here", ("*", STATE): "no state layers here"})
+    declines = ReferenceBackend.declines | Declines({("*", MLA): "no MLA", ("*", STATE): "no state layers"})
 """
 
 

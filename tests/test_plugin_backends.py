@@ -71,13 +71,18 @@ def test_a_model_the_backend_declines_is_declined_not_agreed(toy: pytest.Pyteste
              and s.model.attention.kind == "gqa" and s.runtime.kv_cache_dtype == "auto"]  # fmt: skip
     assert dense  # Qwen2.5-3B at TP 4, its auto-fit sibling
     assert (rules["plan"]["agreed"], rules["plan"]["departed"], rules["plan"]["crashed"]) == (0, 0, 0)
-    assert (rules["plan"]["inherited"], rules["plan"]["declined"]) == (len(dense), len(SCENARIOS) - len(dense))
+    assert (rules["plan"]["inherited"], rules["plan"]["declined"]) == (
+        len(dense),
+        len(SCENARIOS) - len(dense),
+    )
     mla = sum(s.model is not None and s.model.use_mla for s in SCENARIOS)
-    result.stdout.fnmatch_lines([
-        "plan steps the reference answered because the backend declined them:",
-        f"*{mla} plans  kernel_block.kernel_block_size: reference (does not serve an MLA model*"
-        "MLA models never take the toy paged kernel)",
-    ])  # fmt: skip
+    result.stdout.fnmatch_lines(
+        [
+            "plan steps the reference answered because the backend declined them:",
+            f"*{mla} plans  kernel_block.kernel_block_size: reference (does not serve an MLA model*"
+            "MLA models never take the toy paged kernel)",
+        ]
+    )
 
 
 def test_an_unexpected_exception_fails_every_plan_naming_the_rule(toy: pytest.Pytester) -> None:
@@ -112,11 +117,17 @@ def test_backend_options_and_notes_reach_the_header(toy: pytest.Pytester) -> Non
 def test_allocation_family(toy: pytest.Pytester) -> None:
     """Item 6: a backend that allocates is checked for bytes held and the oversized-config guard."""
     _, rules = run(toy, ALLOCATION, "--kvconform-backend=toy", "-k", "pool_holds or larger_than")
-    assert rules["allocation"] == {**rules["allocation"], "agreed": 2 * len(SCENARIOS), "departed": 0, "crashed": 0}
+    assert rules["allocation"] == {
+        **rules["allocation"],
+        "agreed": 2 * len(SCENARIOS),
+        "departed": 0,
+        "crashed": 0,
+    }
     result, rules = run(toy, ALLOCATION, "--kvconform-backend=toy-no-guard", "-k", "larger_than")
     assert rules["allocation"]["departed"] == len(SCENARIOS)
-    result.stdout.fnmatch_lines(["*check_kv_cache_config(4 of 3 blocks): reference 'rejects: oversized_config', "
-                                 "backend 'accepts'"])  # fmt: skip
+    result.stdout.fnmatch_lines(
+        ["*check_kv_cache_config(4 of 3 blocks): reference 'rejects: oversized_config', backend 'accepts'"]
+    )
 
 
 def test_a_plugin_platform_is_driven_through_the_vllm_backend(

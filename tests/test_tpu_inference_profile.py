@@ -33,19 +33,44 @@ def test_hbm_stats_leave_exactly_the_budget(budget: int, utilization: float) -> 
 
 
 def test_refusals_are_tpu_inferences_start_up_errors_only() -> None:
-    mla = ValueError("Value error, MLA models require both the NEW_MODEL_DESIGN=1 environment variable ...")
-    assert "NEW_MODEL_DESIGN=1" in (profile.refusal(mla) or "")
-    dtype = TypeError("data type 'turboquant_k8v4' not understood")
-    assert "turboquant_k8v4" in (profile.refusal(dtype) or "")
-    assert profile.refusal(ValueError("Cannot fit both KV pools under gpu_memory_utilization=0.92")) is None
+    """What tpu-inference refuses to start with (an MLA model without NEW_MODEL_DESIGN=1 and DP
+    attention, a kv_cache_dtype without a JAX type) is declined by input kind, for every rule;
+    the same model with those settings, or a JAX dtype, is not. Its sizing refusal ("Cannot fit
+    both KV pools") is no decline: a rejection of kind not_enough_memory, compared with vLLM's."""
+    from pytest_kvconform.rejections import rejection_kind
+    from pytest_kvconform.scenario import load_scenario
+
+    declines = profile.TpuInferenceBackend.declines
+    mla = load_scenario("deepseek-v3-fp8")
+    for rule in ("layer_specs", "plan", "memory"):
+        assert "NEW_MODEL_DESIGN=1" in (declines.reason(rule, mla) or ""), rule
+    dp_attention = '{"sharding": {"sharding_strategy": {"enable_dp_attention": true}}}'
+    new_design = mla.with_runtime(env=(("NEW_MODEL_DESIGN", "1"),), additional_config=dp_attention)
+    assert declines.reason("plan", new_design) is None
+    assert declines.reason("plan", mla.with_runtime(env=(("NEW_MODEL_DESIGN", "1"),))) is not None  # no DP
+
+    dense = load_scenario("granite-4.0-h-tiny")
+    turboquant = dense.with_runtime(kv_cache_dtype="turboquant_k8v4")
+    assert "to_jax_dtype" in (declines.reason("layer_specs", turboquant) or "")
+    for dtype in ("auto", "fp8", "bfloat16"):
+        assert declines.reason("layer_specs", dense.with_runtime(kv_cache_dtype=dtype)) is None, dtype
+
+    pools = ValueError("Cannot fit both KV pools under gpu_memory_utilization=0.92")
+    assert rejection_kind(pools) == "not_enough_memory"
+    assert not any(isinstance(key, str) and key in ("plan", "memory", "*") for key in declines.entries)
 
 
 def test_every_xfail_is_tpu_inferences_and_names_a_function() -> None:
     entries = load_xfails(XFAILS, "tpu-inference")
     assert len(entries) >= 60
     assert not load_xfails(XFAILS, "vllm")  # none leaks to another backend
-    for reason in entries.values():
+    for entry in entries:
+        reason = entry.reason
         assert any(name in reason for name in ("TpuPlatform.", "KVCacheManager.", "TPUWorker.")), reason
+        # a known departure is strict: it names the tests (or inputs) and the field they depart in
+        assert entry.field and entry.field != "*", entry
+        assert entry.test.startswith("test_") or entry.when is not None, entry
+    assert len({(e.rule, e.test, e.when, e.field) for e in entries}) == len(entries)  # no duplicates
 
 
 @pytest.mark.skipif(importlib.util.find_spec("tpu_inference") is not None, reason="tpu-inference installed")

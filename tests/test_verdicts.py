@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-
 SUITES = Path(__file__).resolve().parents[1] / "pytest_kvconform" / "suites"
 RULES_SUITE = str(SUITES / "test_kvconform_rules.py")
 PROPS_SUITE = str(SUITES / "test_kvconform_properties.py")
@@ -64,7 +63,9 @@ def backends(pytester: pytest.Pytester) -> pytest.Pytester:
     return pytester
 
 
-def _report(pytester: pytest.Pytester, *args: str, name: str = "report.json") -> tuple[pytest.RunResult, dict]:
+def _report(
+    pytester: pytest.Pytester, *args: str, name: str = "report.json"
+) -> tuple[pytest.RunResult, dict]:
     path = pytester.path / name
     result = pytester.runpytest_subprocess(*args, f"--kvconform-report={path}", "-p", "no:cacheprovider")
     return result, json.loads(path.read_text())
@@ -72,13 +73,28 @@ def _report(pytester: pytest.Pytester, *args: str, name: str = "report.json") ->
 
 def test_a_backend_answering_only_the_budget_has_no_plan_of_its_own(backends: pytest.Pytester) -> None:
     """Its plans used to pass ("one own step is enough"): now each is declined, naming the steps."""
-    result, doc = _report(backends, RULES_SUITE, "--kvconform-backend=probes:OnlyTheBudget", "-k",
-                          "test_plan and granite-4.0-h-tiny and not tp4")  # fmt: skip
+    _, doc = _report(
+        backends,
+        RULES_SUITE,
+        "--kvconform-backend=probes:OnlyTheBudget",
+        "-k",
+        "test_plan and granite-4.0-h-tiny and not tp4",
+    )
     assert [r["verdict"] for r in doc["results"]] == ["declined"]
-    assert "layer_specs.layer_specs (does not provide layer_specs: no spec code)" in doc["results"][0]["message"]
+    assert (
+        "layer_specs.layer_specs (does not provide layer_specs: no spec code)" in doc["results"][0]["message"]
+    )
     assert doc["totals"]["agreed"] == 0
-    cli = backends.run(sys.executable, "-m", "pytest_kvconform.cli", "check", "granite-4.0-h-tiny", "--backend",
-                       "probes:OnlyTheBudget", "--json")  # fmt: skip
+    cli = backends.run(
+        sys.executable,
+        "-m",
+        "pytest_kvconform.cli",
+        "check",
+        "granite-4.0-h-tiny",
+        "--backend",
+        "probes:OnlyTheBudget",
+        "--json",
+    )
     assert cli.ret == 0
     check = json.loads(cli.stdout.str())
     assert {r["verdict"] for r in check["results"] if r["rule"] == "plan"} == {"declined"}
@@ -88,7 +104,9 @@ def test_a_backend_answering_only_the_budget_has_no_plan_of_its_own(backends: py
 def test_an_empty_subclass_is_inherited_in_the_property_suite(backends: pytest.Pytester) -> None:
     """The property suite calls the backend directly; nothing recorded who answered, and an empty
     record counted as a pass: six families "passed" for a backend that overrides nothing."""
-    result, doc = _report(backends, PROPS_SUITE, "--kvconform-backend=probes:Empty", "--kvconform-max-examples=5")
+    result, doc = _report(
+        backends, PROPS_SUITE, "--kvconform-backend=probes:Empty", "--kvconform-max-examples=5"
+    )
     assert result.ret == pytest.ExitCode.OK
     verdicts = {r["test"].rpartition("::")[2]: r["verdict"] for r in doc["results"]}
     assert verdicts and set(verdicts.values()) == {"inherited"}, verdicts
@@ -97,8 +115,16 @@ def test_an_empty_subclass_is_inherited_in_the_property_suite(backends: pytest.P
 
 def test_the_same_inputs_give_a_byte_identical_report(backends: pytest.Pytester) -> None:
     """No process id, no time, no run-dependent order; generated inputs seeded per test."""
-    args = (RULES_SUITE, PROPS_SUITE, "--kvconform-backend=probes:Wrong", "--kvconform-max-examples=5", "-k",
-            "granite or generated", "-p", "no:cacheprovider")  # fmt: skip
+    args = (
+        RULES_SUITE,
+        PROPS_SUITE,
+        "--kvconform-backend=probes:Wrong",
+        "--kvconform-max-examples=5",
+        "-k",
+        "granite or generated",
+        "-p",
+        "no:cacheprovider",
+    )
     reports = []
     for name, workers in (("one.json", "0"), ("two.json", "2")):
         path = backends.path / name
@@ -140,3 +166,22 @@ def test_the_plugin_is_inert_in_a_run_that_does_not_use_it(
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(passed=1)
     assert "kvconform" not in result.stdout.str().split("= test session starts =")[1].split("\n", 3)[2]
+
+
+def test_a_vllm_newer_than_the_newest_rules_is_named_in_the_header(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A vLLM release the reference has no rule set for is judged by the newest one, and the
+    header says so instead of judging it silently."""
+    from pytest_kvconform.backends.vllm import runtime
+    from pytest_kvconform.reference.releases import LATEST
+    from pytest_kvconform.session import selected_release
+
+    major, minor = LATEST.release.split(".")
+    newer = f"{major}.{int(minor) + 1}.0"
+    monkeypatch.setattr(runtime, "is_vllm_installed", lambda: True)
+    monkeypatch.setattr(runtime, "installed_vllm_version", lambda: newer)
+    rules, why = selected_release("")
+    assert rules.release == LATEST.release
+    assert why == (
+        f"installed vLLM {newer}; WARNING: newer than the newest rule set ({LATEST.release}), judged by "
+        f"{LATEST.release}'s rules: changes after {LATEST.release} are not known to the reference"
+    )

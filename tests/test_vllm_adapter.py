@@ -228,8 +228,13 @@ def test_backend_matches_reference_plan(va: Any) -> None:
 
     backend = VllmBackend()
     assert backend.name == "vllm" and backend.version == va.runtime.installed_vllm_version()
-    assert set(backend.not_provided) == {"one_sequence", "kernel_block"}
+    # vLLM has no code for vllm-metal's rules; vLLM core's GPU worker allocates on its device (a
+    # plugin's worker= is asked to), and the engine hands it the config it allocates
+    declined = backend.declines.families()
+    assert set(declined) == {"one_sequence", "kernel_block", "allocation", "allocation.check_kv_cache_config"}
+    assert all("vllm-metal's rule" in declined[f] for f in ("one_sequence", "kernel_block"))
     scenario = load_scenario("granite-4.0-h-tiny")
+    assert all(backend.declines.reason(r, scenario) is None for r in ("plan", "layer_specs", "grouping"))
     assert backend.plan(scenario) == plan(scenario)
 
 

@@ -1,4 +1,4 @@
-"""Known vLLM bugs, shown with vLLM's own code and numbers (the ``vllm`` backend's ``known_failures``).
+"""Known vLLM bugs, shown with vLLM's own code and numbers (the ``vllm`` backend's ``known_departures``).
 
 vllm-project/vllm#55449 (open; the MLA branch of vLLM 0.33.0 ``vllm/platforms/interface.py``): the
 hybrid planner ``Platform._align_hybrid_block_size`` prices MLA with
@@ -193,15 +193,32 @@ def test_unpacked_mla_formats_agree(
     assert (got.attn_page_bytes_per_token, got.block_size) == (a1, block)
 
 
-def test_known_failures_cover_the_probe() -> None:
+def test_known_departures_cover_the_probe(probe: Scenario) -> None:
+    """The probe's ``test_hybrid_alignment`` is a known departure of the ``vllm`` backend, pinned to
+    this test and to vLLM's block against the reference's (3840 against 3328): that departure ends
+    *known*; a departure in another field does not. The unpacked control is no known departure."""
     from pytest_kvconform.backends.vllm import VllmBackend
+    from pytest_kvconform.requirements import known_departures_for
+    from pytest_kvconform.verdict import Departure, Verdict, decide
 
-    keys = set(VllmBackend.known_failures)
-    stem = SCENARIO.stem
-    assert f"hybrid_alignment::test_hybrid_alignment[{stem}]" in keys
-    reasons = " ".join(VllmBackend.known_failures[k] for k in keys if stem in k)
+    entries = VllmBackend.known_departures
+    test = f"test_hybrid_alignment[{SCENARIO.stem}]"
+    covering = known_departures_for(entries, "hybrid_alignment", test, probe)
+    pinned = [e for e in covering if e.test == test]
+    assert pinned and all((e.field, e.reference, e.value) == ("block_size", "3328", "3840") for e in pinned)
+    reasons = " ".join(e.reason for e in covering)
     for number in ("576", "656", "3840", "3328", "2,211,840", "2,519,040"):
         assert number in reasons
+
+    def verdict_of(field: str, reference: int, backend: int) -> Verdict:
+        error = Departure(f"{field}: reference {reference}, backend {backend}", "hybrid_alignment",
+                          field, reference, backend)  # fmt: skip
+        return decide(rule="hybrid_alignment", error=error, known=covering).verdict
+
+    assert verdict_of("block_size", BLOCK_656, BLOCK_576) is Verdict.KNOWN
+    assert verdict_of("page_size_bytes", BLOCK_656 * FP8_DS_MLA, 2_519_040) is Verdict.DEPARTED
+    control = probe.with_runtime(kv_cache_dtype="fp8")  # vLLM and the reference agree on it
+    assert not known_departures_for(entries, "hybrid_alignment", "test_hybrid_alignment[fp8]", control)
 
 
 # Lfm2 with speculative decoding (vLLM 0.29 to 0.33): Lfm2ForCausalLM.get_mamba_state_shape_from_config
@@ -233,9 +250,15 @@ num_speculative_tokens = {spec}
 @pytest.mark.parametrize(("spec", "layer_page"), [(1, 2 * 1024 * 2), (2, 3 * 1024 * 2)])
 def test_lfm2_planner_omits_the_speculative_conv_rows(va: Any, spec: int, layer_page: int) -> None:
     """vLLM aligns for 2048 B whatever the speculative tokens; the layer holds (1 + spec) rows. At
-    spec 1 the padded page (4096) still covers the layer's 4096 B; at spec 2 (6144 B) vLLM's own
-    ``MambaSpec.page_size_bytes`` asserts: the engine cannot start."""
+    spec 1 the padded page (4096) still covers the layer's 4096 B and the layer specs agree; at
+    spec 2 (6144 B) the padded page is too small: the backend's layer specs assert (a rejection of
+    kind ``invalid_padding``), where the reference answers, and the backend's known departures turn
+    exactly that departure into *known*."""
+    from pytest_kvconform.backends.base import ReferenceBackend
     from pytest_kvconform.backends.vllm import VllmBackend
+    from pytest_kvconform.checks import Comparison, layer_specs, run_check
+    from pytest_kvconform.rejections import rejection_kind
+    from pytest_kvconform.requirements import known_departures_for
     from pytest_kvconform.scenario import parse_scenario
 
     s = parse_scenario(LFM2.format(spec=spec))
@@ -248,6 +271,19 @@ def test_lfm2_planner_omits_the_speculative_conv_rows(va: Any, spec: int, layer_
         (state,) = [x for x in backend.layer_specs(s).values() if isinstance(x, MambaSpec)]
         assert state.shapes == ((1 + spec, 1024),)
     else:
-        with pytest.raises(AssertionError):
+        with pytest.raises(AssertionError) as raised:
             backend.layer_specs(s)
-    assert "known vLLM bug" in (backend.unsupported(s) or "")
+        assert rejection_kind(raised.value) == "invalid_padding"
+    known = known_departures_for(backend.known_departures, "layer_specs", "test_layer_specs[lfm2]", s)
+    assert known and all("Lfm2ForCausalLM.get_mamba_state_shape_from_config" in k.reason for k in known)
+    assert not known_departures_for(backend.known_departures, "layer_specs", "test_layer_specs[lfm2]",
+                                    s.with_runtime(num_speculative_tokens=0))  # fmt: skip
+    # test_layer_specs on this input, decided as the suites and ``kvconform check`` decide it
+    result = run_check(Comparison("layer_specs", "test_layer_specs[lfm2]", layer_specs), backend,
+                       ReferenceBackend(), s)  # fmt: skip
+    if layer_page <= 4096:
+        assert (result["verdict"], result["difference"]) == ("agreed", None), result["message"]
+    else:
+        assert (result["verdict"], result["outcome"]) == ("known", "xfailed"), result["message"]
+        assert result["difference"] == {"field": "layer_specs", "reference": "'answers'",
+                                        "backend": "'rejects: invalid_padding'"}  # fmt: skip

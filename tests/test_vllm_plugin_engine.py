@@ -1,10 +1,11 @@
 """A plugin's worker and platform driven in the engine's order (pytest_kvconform/backends/vllm/worker.py).
 
 The toy plugin's worker (``tests/toy_plugin/kvtoy/worker.py``) prices full-attention layers
-itself and allocates its own pool from vLLM's ``KVCacheConfig``. A worker that bills a hybrid's
-state layers as attention fails ``test_layer_specs`` and the plan; one that allocates a buffer per
-KV cache tensor where vLLM's tensors alias one allocation fails the allocation suite. A platform
-whose config hook expects a model never sees a config without one.
+itself and allocates its own pool from vLLM's ``KVCacheConfig``: each test ends *agreed*. A worker
+that bills a hybrid's state layers as attention departs in ``test_layer_specs`` and the plan; one
+that allocates a buffer per KV cache tensor where vLLM's tensors alias one allocation departs in
+the allocation suite (the bytes it holds). A platform whose config hook expects a model never sees
+a config without one.
 """
 
 from __future__ import annotations
@@ -45,8 +46,9 @@ def test_the_workers_own_specs_and_pool_are_checked(toy: pytest.Pytester) -> Non
     result, report = _run(toy, RULES, ALLOCATION, "--kvconform-backend=toy-worker", "-k", selected)
     rules = report["rules"]
     assert result.ret == 0, result.stdout.str()[-3000:]
-    assert rules["layer_specs"]["passed"] == 1 and rules["plan"]["passed"] == 1
-    assert rules["allocation"]["passed"] == 1
+    assert rules["layer_specs"]["agreed"] == 1 and rules["plan"]["agreed"] == 1
+    assert rules["allocation"]["agreed"] == 1
+    assert report["totals"]["agreed"] == 3 and sum(report["totals"].values()) == 3  # nothing else
     assert report["plan_steps"]["layer_specs.layer_specs"]["own"] == 1
     assert report["plan_steps"]["allocation.allocate_kv_cache"]["own"] == 1
 
@@ -55,7 +57,10 @@ def test_a_worker_billing_state_layers_as_attention_fails(toy: pytest.Pytester) 
     result, report = _run(toy, RULES, "--kvconform-backend=toy-state-as-attention", "-k",
                           "(layer_specs or test_plan) and granite-4.0-h-tiny and not tp4")  # fmt: skip
     rules = report["rules"]
-    assert rules["layer_specs"]["failed"] == 1 and rules["plan"]["failed"] == 1
+    assert rules["layer_specs"]["departed"] == 1 and rules["plan"]["departed"] == 1
+    assert report["totals"]["departed"] == 2 and sum(report["totals"].values()) == 2  # no crash
+    plan = next(r for r in report["results"] if r["rule"] == "plan")
+    assert plan["difference"] == {"field": "state_bytes_per_layer", "reference": "806400", "backend": "0"}
     result.stdout.fnmatch_lines([
         "*[[]layer_specs[]] backend 'toy-state-as-attention' on scenario 'ibm-granite/granite-4.0-h-tiny'"
         "*layers differ: missing [[](0, 'state')*",
@@ -72,7 +77,12 @@ def test_a_pool_per_aliased_tensor_fails_the_allocation(toy: pytest.Pytester) ->
 
     if tuple(map(int, installed_vllm_version().split(".")[:2])) < (0, 32):
         pytest.skip("before vLLM 0.32 each KV cache tensor is its own allocation")
-    assert report["rules"]["allocation"]["failed"] == 1, result.stdout.str()[-2000:]
+    assert report["rules"]["allocation"]["departed"] == 1, result.stdout.str()[-2000:]
+    (allocation,) = report["results"]
+    assert allocation["verdict"] == "departed" and allocation["outcome"] == "failed"
+    # what the pool holds is compared first: 10 buffers of the 3 blocks' 9,830,400 B
+    assert allocation["difference"] == {"field": "bytes_held", "reference": "9830400",
+                                        "backend": "98304000"}  # fmt: skip
 
 
 def test_no_config_without_a_model_reaches_the_plugins_platform() -> None:

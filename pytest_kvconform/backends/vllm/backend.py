@@ -150,6 +150,10 @@ class VllmBackend(ReferenceBackend):
         ),
         KnownDeparture("hybrid_alignment", "block_size", _B2_MLA_HYBRID, when=PACKED_MLA_HYBRID),
         KnownDeparture("hybrid_alignment", "block_size", _LFM2_SPECULATIVE_ROWS, when=LFM2_SPECULATIVE),
+        # the block unchanged, the state page padded for the rows vLLM's shape omits
+        KnownDeparture(
+            "hybrid_alignment", "state_page_padded_bytes", _LFM2_SPECULATIVE_ROWS, when=LFM2_SPECULATIVE
+        ),
         KnownDeparture(
             "layer_specs", "layer * (attention): block_size", _LFM2_SPECULATIVE_ROWS, when=LFM2_SPECULATIVE
         ),

@@ -9,7 +9,8 @@ The vLLM backend is warmed up before timing: the first call imports vLLM and bui
 what every later plan of that scenario costs in one process.
 
 Measures only; there are no timed asserts. The "vllm" rows time the selected backend, so they
-run only with ``--kvconform-backend=vllm`` (or a subclass of it: capability ``vllm_platform``);
+run only with ``--kvconform-backend=vllm`` (or a backend that drives a vLLM platform: one that
+does not decline the ``platform`` family);
 vLLM is imported by no other run. Run with
 ``pytest --pyargs pytest_kvconform.suites --benchmark-only --kvconform-backend=vllm -k vllm_vs``.
 """
@@ -39,9 +40,7 @@ pytestmark = pytest.mark.kvconform_benchmark
 def test_vllm_vs_reference_plan(
     benchmark: Any, kv_backend: Any, kv_reference: Any, name: str, implementation: str
 ) -> None:
-    from pytest_kvconform.conformance import declined_reason
-
-    if declined_reason(kv_backend, "platform") is not None:
+    if kv_backend.declines.reason("platform") is not None:  # the reference's own declaration too
         pytest.skip(f"times vLLM's planning: needs --kvconform-backend=vllm, not {kv_backend.name!r}")
     scenario = load_scenario(name)
     backend = kv_backend if implementation == "vllm" else kv_reference

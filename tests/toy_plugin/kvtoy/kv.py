@@ -25,10 +25,12 @@ class ToyBackend(ReferenceBackend):
     vllm-metal's block split, but never for MLA models."""
 
     name = "toy"
-    declines = ReferenceBackend.declines.without("allocation") | Declines({
-        ("layer_specs", NOT_DENSE_GQA): "the toy runner builds dense GQA layers in the model dtype only",
-        ("kernel_block", MLA): "MLA models never take the toy paged kernel",
-    })
+    declines = ReferenceBackend.declines.without("allocation") | Declines(
+        {
+            ("layer_specs", NOT_DENSE_GQA): "the toy runner builds dense GQA layers in the model dtype only",
+            ("kernel_block", MLA): "MLA models never take the toy paged kernel",
+        }
+    )
     #: deliberate delegation: reported as inherited (declared), never as passed
     inherits: ClassVar[dict[str, str]] = {
         "kernel_block": "the toy kernel takes vllm-metal's block split (super())"

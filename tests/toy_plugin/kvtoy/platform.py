@@ -23,7 +23,11 @@ class ToyKernel:
 
 
 class ToyAttention(ToyKernel, TritonAttentionBackend): ...
+
+
 class ToyMLA(ToyKernel, CPUMLABackend): ...
+
+
 class ToyTurboQuant(ToyKernel, TurboQuantAttentionBackend): ...
 
 

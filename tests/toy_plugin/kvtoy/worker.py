@@ -22,7 +22,11 @@ class ToyWorker(Worker):
         for name, layer in get_layers_from_vllm_config(self.vllm_config, AttentionLayerBase).items():
             if isinstance(layer, Attention) and layer.kv_sharing_target_layer_name:
                 continue  # it reads its target layer's cache
-            spec = self.full_attention_spec(layer) if _is_full_attention(layer) else layer.get_kv_cache_spec(self.vllm_config)
+            spec = (
+                self.full_attention_spec(layer)
+                if _is_full_attention(layer)
+                else layer.get_kv_cache_spec(self.vllm_config)
+            )
             if isinstance(spec, AttentionSpec):  # the kernel's own packing (TurboQuant, MLA)
                 spec = customize_attention_spec(layer.get_attn_backend(), spec)
             if spec is not None:
@@ -49,7 +53,7 @@ class ToyWorker(Worker):
         tensors = kv_cache_config.kv_cache_tensors
         backing = torch.empty(self.backing_bytes(kv_cache_config), dtype=torch.int8, device="meta")
         self.kv_caches = {
-            name: backing[t.offset + i * t.layer_stride:] for t in tensors for i, name in enumerate(t.layers)
+            name: backing[t.offset + i * t.layer_stride :] for t in tensors for i, name in enumerate(t.layers)
         }
 
     def backing_bytes(self, kv_cache_config):
