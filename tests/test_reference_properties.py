@@ -373,8 +373,11 @@ def admission_bytes(groups, rt: RuntimeSettings, null_block: bool = True) -> int
 def assert_blocks_fit_the_budget(groups, rt: RuntimeSettings, mem, null_block: bool = True) -> None:
     bpb, budget = pool_budget(groups, rt)
     assert mem.bytes_per_block == bpb
-    assert mem.num_blocks == budget // bpb  # get_kv_cache_configs: the null block is one of them
     assert mem.available_bytes == admission_bytes(groups, rt, null_block)
+    if mem.available_bytes <= 0:  # get_kv_cache_configs raises "No available memory": no pool at all
+        assert mem.num_blocks == 0 and mem.admission.startswith("No available memory for the cache blocks")
+        return
+    assert mem.num_blocks == budget // bpb  # get_kv_cache_configs: the null block is one of them
     if rt.num_gpu_blocks_override is not None:
         assert mem.num_blocks == rt.num_gpu_blocks_override
 
@@ -495,6 +498,8 @@ def test_plan_is_deterministic(d):
     except (NotImplementedError, AssertionError) as exc:
         assume(not isinstance(exc, NotImplementedError))
         assume(s1.runtime.unify_policy != "scale-only")
+        # vLLM's own refusal, as in groups_or_reject: a Phase 3 padded window page scaled past it
+        assume(not _phase3_padded_windows(specs_of(s1)))
         raise
     assert plan(s1) == p1
     assert plan(s2) == p1

@@ -54,10 +54,10 @@ def test_a_correct_plugin_passes_every_suite(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The whole suite, property tests included, with no known-departure file: nothing departs or
-    crashes. The four false alarms a correct plugin used to hit are agreed: the Qwen3.5 bs160
-    reviewer plan at the toy kernel's alignment, the auto-fit message compared by its numbers (the
-    toy's engine says "GiB CPU"), the Gemma 4 pool kept as per-layer views of one allocation, and
-    vllm-metal #527's override left out of the few-block config the worker is handed."""
+    crashes. The false alarms a correct plugin used to hit: the Qwen3.5 bs160 reviewer numbers,
+    stated for a kernel of 32, are not applicable to the toy's kernel of 8 (its plans agree at 8);
+    the auto-fit message is compared by its numbers (the toy's engine says "GiB CPU"); the Gemma 4
+    pool kept as per-layer views of one allocation is counted once; fp8 GQA pages agree."""
     result, doc = suites(pytester, monkeypatch, "-n", "2", "--kvconform-max-examples=20")
     totals = doc["totals"]
     assert result.ret == pytest.ExitCode.OK, result.stdout.str()[-3000:]
@@ -69,17 +69,33 @@ def test_a_correct_plugin_passes_every_suite(
     assert verdicts(doc, "test_expectations[qwen3.5-bs160-reviewer]") == {
         "test_expectations[qwen3.5-bs160-reviewer]": "n/a"  # block 160 at alignment 16; the toy's is 8
     }
-    assert set(verdicts(doc, "test_plan[qwen3.5-bs160-reviewer]").values()) == {"agreed"}
+    # the Qwen3.5 hybrids of vllm-metal #235 planned at the toy's 8 (its kernel block rule is metal's)
+    assert set(verdicts(doc, "test_metal235_qwen35_08b_today").values()) == {"agreed"}
+    assert set(verdicts(doc, "test_metal235_plan_reports_the_translation").values()) == {"agreed"}
     assert set(verdicts(doc, "test_plan[qwen2.5-3b-instruct-auto-fit]").values()) == {"agreed"}
     assert set(verdicts(doc, "test_pool_holds_exactly_the_planned_blocks[gemma-4-31b-it]").values()) == {
         "agreed"
     }
-    assert set(
-        verdicts(doc, "test_pool_holds_exactly_the_planned_blocks[qwen2.5-3b-block-override]").values()
-    ) == {"agreed"}
     assert set(verdicts(doc, "test_layer_specs[llama-3.1-8b-instruct-fp8]").values()) == {"agreed"}
     props = {r["rule"]: r["verdict"] for r in doc["results"] if r["test"].endswith("_generated")}
     assert props and set(props.values()) <= {"agreed", "declined"}, props
+
+
+def test_the_worker_is_handed_the_engine_config_without_the_pools_override(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vllm-metal #527's scenario pins the whole pool (num_gpu_blocks_override = 999,999); the
+    few-block config the worker is asked to hold used to carry it, so a correct worker held 999,999
+    blocks against the reference's 3."""
+    scenario = (
+        Path(__file__).parents[1] / "pytest_kvconform/scenarios/regressions/qwen2.5-3b-block-override.toml"
+    )
+    result, doc = suites(pytester, monkeypatch, f"--kvconform-scenarios={scenario}", "-k",
+                         "test_pool_holds_exactly_the_planned_blocks and block-override")  # fmt: skip
+    assert result.ret == pytest.ExitCode.OK, result.stdout.str()[-3000:]
+    assert verdicts(doc, "test_pool_holds_exactly_the_planned_blocks") == {
+        "test_pool_holds_exactly_the_planned_blocks[qwen2.5-3b-block-override]": "agreed"
+    }
 
 
 @pytest.mark.parametrize(
