@@ -147,10 +147,6 @@ class Result:
             Verdict.KNOWN: "xfailed",
         }.get(self.verdict, "skipped")  # fmt: skip
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"verdict": self.verdict.value, "message": self.message,
-                "difference": dict(self.difference) if self.difference else None}  # fmt: skip
-
 
 def _own_assertion(error: AssertionError, test_files: Sequence[str]) -> str | None:
     """The source of the ``assert`` statement that failed, when ``error`` was raised by an

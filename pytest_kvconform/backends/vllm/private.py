@@ -142,15 +142,6 @@ def private(name: str) -> tuple[Any, Any]:
     return locate(name, vllm_runtime().version)
 
 
-def has_private(name: str) -> bool:
-    """Whether the installed release is one that has ``name`` (by :data:`SYMBOLS`' releases)."""
-    from .runtime import vllm_runtime
-
-    symbol = SYMBOLS[name]
-    release = ".".join(vllm_runtime().version.split(".")[:2])
-    return _key(release) >= _key(symbol.since) and (not symbol.until or _key(release) <= _key(symbol.until))
-
-
 def check_all(version: str) -> list[str]:
     """Every symbol the installed release should have, as problems (one line each; empty: all there)."""
     problems = []
