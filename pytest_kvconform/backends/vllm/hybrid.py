@@ -13,6 +13,7 @@ from typing import Any
 
 from ...model import HybridAlignment
 from ...scenario import RuntimeSettings, Scenario
+from .attention import CPU_BUILD_LACKS
 from .offline import CACHES, config_json, vllm_config
 from .platform import HookChange, current_log, is_neutral
 from .private import private
@@ -34,14 +35,8 @@ def kernel_block_backend(alignment: int, kv_cache_dtype: str = "auto") -> type:
         from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
 
         base = TritonAttentionBackend
-    elif kv_cache_dtype in ("nvfp4", "nvfp4_4over6"):
-        raise UnsupportedByVllmError(
-            "cpu_build", f"{kv_cache_dtype} is packed by FlashInfer, which a CPU build lacks"
-        )
-    elif kv_cache_dtype == "ultraquant_4bit":
-        raise UnsupportedByVllmError(
-            "cpu_build", "the UltraQuant backend imports Triton kernels, which a CPU build lacks"
-        )
+    elif kv_cache_dtype in CPU_BUILD_LACKS:
+        raise UnsupportedByVllmError("cpu_build", CPU_BUILD_LACKS[kv_cache_dtype])
 
     def sizes(kv_cache_spec: Any = None) -> list[Any]:
         return [MultipleOf(alignment)]
