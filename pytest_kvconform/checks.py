@@ -36,7 +36,7 @@ from .reference.unify import POLICIES
 from .rejections import rejection_kind
 from .requirements import KnownDeparture, known_departures_for
 from .scenario import REJECTS, Scenario
-from .verdict import Departure, NotApplicable, Result, absent_families, decide
+from .verdict import Departure, NotApplicable, Result, decide
 
 
 def distinct(specs: dict[str, Any], kind: type) -> list[Any]:
@@ -398,9 +398,7 @@ def run_check(
         except (Exception, pytest.skip.Exception, pytest.fail.Exception) as exc:
             error = exc
     result = decide(
-        rule=check.rule, error=error, answers=ledger.answers, oracle=provenance.is_oracle(backend),
-        known=entries, inherits=getattr(backend, "inherits", {}), strict=strict,
-        absent=absent_families(backend),
+        rule=check.rule, error=error, answers=ledger.answers, backend=backend, known=entries, strict=strict,
     )  # fmt: skip
     return record(check.test, check.rule, scenario_id(scenario), result, ledger)
 

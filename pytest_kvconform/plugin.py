@@ -448,8 +448,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         return report
     if call.when != "call":
         return report
-    from .provenance import Ledger, is_oracle
-    from .verdict import absent_families, decide
+    from .provenance import Ledger
+    from .verdict import decide
 
     led: Ledger = item.stash.get(_ledger_key, None) or Ledger()
     error = call.excinfo.value if call.excinfo is not None else None
@@ -461,10 +461,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     # input hypothesis reports failing matched none
     known = [k for k in led.known if k.when is None] if generated else led.known
     result = decide(
-        rule=rule, error=error, answers=led.answers, oracle=is_oracle(backend), known=known,
-        inherits=getattr(backend, "inherits", {}), strict=session.strict, test_files=[str(item.path)],
+        rule=rule, error=error, answers=led.answers, backend=backend, known=known,
+        strict=session.strict, test_files=[str(item.path)],
         generated=led.generated() if generated else None,
-        absent=absent_families(backend),
     )  # fmt: skip
     _apply(report, item, result, getattr(error, "__notes__", None))
     _keep(report, item, result, led)

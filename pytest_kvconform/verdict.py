@@ -230,23 +230,21 @@ def decide(
     rule: str,
     error: BaseException | None,
     answers: Sequence[tuple[str, str, str, str]] = (),
-    oracle: bool = False,
+    backend: Any = None,
     known: Sequence[KnownDeparture] = (),
-    inherits: Mapping[str, str] | None = None,
     strict: bool = False,
     test_files: Sequence[str] = (),
     generated: Mapping[str, int] | None = None,
-    absent: Iterable[str] = (),
 ) -> Result:
     """The verdict of one test of ``rule``: what it raised (``error``; None when it returned), the
-    answers it recorded (:class:`~pytest_kvconform.provenance.Ledger` rows), whether the backend
-    is the reference itself, the known departures about this test, the backend's declared
-    ``inherits`` and ``--kvconform-strict``. ``test_files``: where the test's own asserts live;
-    ``generated``: a property test's inputs (``compared``, ``declined``, ``known``); ``absent``:
-    the rule families the backend declines whole (:func:`absent_families`: a composed plan of a
-    backend that allocates nothing needs no allocation of its own)."""
+    answers it recorded (:class:`~pytest_kvconform.provenance.Ledger` rows), the backend (whether it
+    is the reference itself, its declared ``inherits``, the families it declines whole: a composed
+    plan of a backend that allocates nothing needs no allocation of its own), the known departures
+    about this test and ``--kvconform-strict``. ``test_files``: where the test's own asserts live;
+    ``generated``: a property test's inputs (``compared``, ``declined``, ``known``)."""
     if error is None:
-        result = _from_answers(rule, answers, oracle, generated or {}, set(absent))
+        oracle = backend is not None and provenance.is_oracle(backend)
+        result = _from_answers(rule, answers, oracle, generated or {}, set(absent_families(backend)))
     else:
         result = _from_error(error, test_files)
     if known:
@@ -255,7 +253,8 @@ def decide(
         # a plan: the load-bearing steps the reference's code answered; another test: its rule
         families = sorted({a[0] for a in answers if a[2] == provenance.INHERITED and a[0] in LOAD_BEARING}
                           if rule == "plan" else ()) or [rule]  # fmt: skip
-        undeclared = [f for f in families if f not in (inherits or {})]
+        inherits = getattr(backend, "inherits", None) or {}
+        undeclared = [f for f in families if f not in inherits]
         if undeclared:
             return Result(result.verdict, result.message, strict_failure=(
                 f"--kvconform-strict: inherited and not declared in `inherits`: {', '.join(undeclared)}"
