@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ...scenario import Scenario
+from .attention import CPU_BUILD_LACKS
 from .config_view import parallel_config
 from .configs import QWEN35, hf_config_dict
 from .platform import HookChange, current_log, platform_scope, read_setting, resolve_platform
@@ -137,9 +138,7 @@ def vllm_config(scenario: Scenario, platform: type) -> Any:
     register_kv_cache_dtypes(rt.registered_kv_cache_dtypes)
     if rt.kv_cache_dtype == "ultraquant_4bit":  # also when every attention layer is a skip layer:
         # Platform._align_hybrid_block_size imports UltraQuantAttentionBackend for the dtype
-        raise UnsupportedByVllmError(
-            "cpu_build", "the UltraQuant backend imports Triton kernels, which a CPU build lacks"
-        )
+        raise UnsupportedByVllmError("cpu_build", CPU_BUILD_LACKS[rt.kv_cache_dtype])
     if "mamba_cache_mode" in rt.unset:  # vLLM decides: the prefix-caching default, then the model's hook
         mode: dict[str, Any] = {
             "enable_prefix_caching": _default_prefix_caching(text, model.dtype, rt.max_model_len, platform)
