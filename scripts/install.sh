@@ -25,5 +25,11 @@ else
     if [[ "$VENV" == .venv && "${KVCONFORM_TPU:-1}" != 0 ]]; then
         bash scripts/install-tpu-inference.sh
     fi
+    # vllm-rbln 0.12.0 (.venv-rbln, on .vllm-overlay/0.30) and vllm-ascend 0.23.0.post1 (.venv-ascend,
+    # on .vllm-overlay/0.23), for scripts/test.sh (KVCONFORM_PLUGINS=0 skips both)
+    if [[ "$VENV" == .venv && "${KVCONFORM_VLLM_RELEASES:-1}" != 0 && "${KVCONFORM_PLUGINS:-1}" != 0 ]]; then
+        bash scripts/install-vllm-rbln.sh
+        bash scripts/install-vllm-ascend.sh
+    fi
 fi
 "$VENV/bin/python" -c "import pytest_kvconform, mlx.core; print('pytest-kvconform', pytest_kvconform.__version__, 'installed in $VENV')"

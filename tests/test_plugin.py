@@ -415,7 +415,7 @@ def test_report_records_the_first_difference_and_reasons(pytester: pytest.Pytest
     pytester.syspathinsert()
     report, summary = pytester.path / "report.json", pytester.path / "summary.md"
     args = (RULES_SUITE, "--kvconform-backend=wrongbackend:WrongAlignment", "-k",
-            "granite-4.0-h-tiny or gemma-3", "-p", "no:cacheprovider", "-n", workers)  # fmt: skip
+            "granite-4.0-h-tiny or gemma-3-27b", "-p", "no:cacheprovider", "-n", workers)  # fmt: skip
     pytester.runpytest_subprocess(*args, f"--kvconform-report={report}")
     pytester.runpytest_subprocess(*args, f"--kvconform-report={summary}")
     doc = json.loads(report.read_text())

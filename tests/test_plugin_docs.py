@@ -22,6 +22,13 @@ def test_the_docs_code_is_the_toy_plugin_file() -> None:
     assert len(code.splitlines()) + len(_blocks("toml")[0].splitlines()) < 70  # a page, not a project
 
 
+def test_the_docs_profile_is_the_vllm_rbln_file_and_a_page_long() -> None:
+    """docs/plugins.md shows a whole plugin profile, under 100 lines."""
+    code = _blocks("python")[-1]
+    assert code == (ROOT / "pytest_kvconform" / "backends" / "vllm" / "profiles" / "vllm_rbln.py").read_text()
+    assert len(code.splitlines()) < 100
+
+
 def test_the_docs_entry_point_is_the_toy_plugins() -> None:
     group, line = _blocks("toml")[0].splitlines()
     assert group == '[project.entry-points."pytest_kvconform.backends"]'

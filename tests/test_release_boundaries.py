@@ -84,6 +84,11 @@ class MirrorsVllm(ReferenceBackend):
         major, minor = (int(x) for x in self.release.release.split("."))
         return 1 if (major, minor) >= (0, 29) else 0
 
+    def determine_available_memory(self, device_free_bytes=None, *, scenario):
+        """Worker.determine_available_memory (vllm/v1/worker/gpu_worker.py): kv_cache_memory_bytes,
+        when set, whatever the device has free."""
+        return scenario.runtime.kv_cache_memory_bytes
+
     def pool(self, specs, scenario):
         groups = self.kv_cache_groups(specs, scenario=scenario)
         return max(g.bytes_per_block for g in groups)  # _pool_bytes_per_block

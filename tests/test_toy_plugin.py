@@ -117,6 +117,15 @@ def test_the_worker_is_handed_the_engine_config_without_the_pools_override(
             "departed",
             "*[[]layer_specs[]] * layer 0 (attention): dtype: reference 'uint8', backend 'bfloat16'*",
         ),
+        # the engine's budget is not the budget: 0.92 of a device with twice the budget free
+        (
+            {"worker": "kvtoy.worker:SizesFromTheDeviceWorker"},
+            "test_available_memory and llama-3.1-8b-instruct-fp8",
+            "test_available_memory[llama-3.1-8b-instruct-fp8]",
+            "departed",
+            "*[[]memory[]] * available bytes (device 17,179,869,184 B free): reference 8589934592, "
+            "backend 15805479649*",
+        ),
         # a setting outside the cache config, halved on every call of the config hook
         (
             {"platform": "kvtoy.broken:HalvesMaxNumSeqsPlatform"},

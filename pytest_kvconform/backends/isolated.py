@@ -51,6 +51,8 @@ _BY_NAME = (type, types.FunctionType, types.BuiltinFunctionType, types.MethodTyp
 def _crosses(obj: Any) -> bool:
     """Whether ``obj`` is defined by a :data:`CROSSING` module (a class or function: itself)."""
     named = obj if isinstance(obj, _BY_NAME) else type(obj)
+    if "<locals>" in str(getattr(named, "__qualname__", "")):  # a closure pickles by no name: it stays
+        return False
     return str(getattr(named, "__module__", "") or "").partition(".")[0] in CROSSING
 
 

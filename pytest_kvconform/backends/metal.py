@@ -165,6 +165,7 @@ class MetalBackend(ReferenceBackend):
                          reference=str(3 * reference), value=str(3 * value))
           for name, reference, value, reason in (
               ("gemma-3-27b-it", 1_310_720, 8_126_464, _PER_LAYER_POOL),
+              ("gemma-3-1b-it-rbln-cr03", 4_194_304, 27_262_976, _PER_LAYER_POOL),
               ("gemma-4-31b-it", 2_621_440, 14_417_920, _PER_LAYER_POOL),
               ("gpt-oss-20b", 393_216, 786_432, _PER_LAYER_POOL),
               ("qwen3.5-35b-a3b-mtp1", 23_789_568, 21_626_880, _MTP_DRAFT_NOT_POOLED),

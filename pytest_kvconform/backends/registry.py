@@ -18,6 +18,14 @@ BUILTINS: dict[str, tuple[str, str]] = {
         "pytest_kvconform.backends.vllm.profiles.tpu_inference:TpuInferenceBackend",
         "bash scripts/install-tpu-inference.sh (tpu-inference 0.32.0 in .venv-tpu)",
     ),
+    "vllm-rbln": (
+        "pytest_kvconform.backends.vllm.profiles.vllm_rbln:VllmRblnBackend",
+        "bash scripts/install-vllm-rbln.sh (vllm-rbln 0.12.0 in .venv-rbln)",
+    ),
+    "vllm-ascend": (
+        "pytest_kvconform.backends.vllm.profiles.vllm_ascend:VllmAscendBackend",
+        "bash scripts/install-vllm-ascend.sh (vllm-ascend 0.23.0.post1 in .venv-ascend)",
+    ),
 }
 
 

@@ -177,9 +177,10 @@ class ReferenceRules:
         return [g.public(scenario.runtime, pages) for g in groups]
 
     # -- memory
-    def determine_available_memory(self, scenario: Scenario) -> int:
+    def determine_available_memory(self, device_free_bytes: int | None = None, *, scenario: Scenario) -> int:
         """``Worker.determine_available_memory`` (vllm/v1/worker/gpu_worker.py): the bytes the
-        worker reports for the KV cache, here the scenario's budget."""
+        worker reports for the KV cache, here the scenario's budget: with ``kv_cache_memory_bytes``
+        set, vLLM returns it whatever the device has free (``device_free_bytes``)."""
         return scenario.runtime.kv_cache_memory_bytes
 
     def check_memory(self, specs: dict[str, KVCacheSpec], scenario: Scenario) -> MemoryCheck:

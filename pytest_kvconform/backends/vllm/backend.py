@@ -33,7 +33,15 @@ from . import hybrid, layers, planning
 from . import specs as vllm_specs
 from .api import kernel_alignment, kv_cache_dtypes
 from .attention import CPU_BUILD_LACKS
-from .offline import CACHES, clear_caches, config_json, engine_defaults, register_kv_cache_dtypes, vllm_config
+from .offline import (
+    CACHES,
+    clear_caches,
+    config_json,
+    engine_defaults,
+    engine_device,
+    register_kv_cache_dtypes,
+    vllm_config,
+)
 from .platform import (
     CPU_FEATURES,
     HookChange,
@@ -58,7 +66,7 @@ from .runtime import (
     unfreeze_heap,
     vllm_runtime,
 )
-from .worker import GPU_WORKER, build_worker, bytes_held, resolve_worker, worker_name
+from .worker import GPU_WORKER, build_worker, bytes_held, device_free, resolve_worker, worker_name
 
 T = TypeVar("T")
 
@@ -172,6 +180,10 @@ class VllmBackend(ReferenceBackend):
     #: a class or ``"package.module:Class"`` names another (a plugin's own).
     platform: ClassVar[type | str | None] = None
 
+    #: The device the engine's config names (``--device``): vLLM's CPU build serves "cpu"; a
+    #: plugin whose config hooks act only on its own device type names that type.
+    engine_device: ClassVar[str] = "cpu"
+
     #: The worker class whose ``get_kv_cache_spec`` and ``determine_available_memory`` answer:
     #: None is vLLM core's GPU worker; a class or ``"package.module:Class"`` names a plugin's
     #: (built without a device, :mod:`.worker`).
@@ -238,7 +250,8 @@ class VllmBackend(ReferenceBackend):
             self.offline_gap(scenario)
         platform = self.platform_for(scenario)
         env = scenario.runtime.env if scenario is not None else ()
-        with scenario_env(env), platform_scope(platform) as log, cpu_probes(self.cpu_features):
+        device = engine_device(self.engine_device)
+        with scenario_env(env), platform_scope(platform) as log, cpu_probes(self.cpu_features), device:
             if scenario is not None:  # what the platform registers when it is activated
                 register_kv_cache_dtypes(scenario.runtime.registered_kv_cache_dtypes)
             yield platform
@@ -324,7 +337,7 @@ class VllmBackend(ReferenceBackend):
             log = current_log()
             if key not in _ENGINES:
                 logged = len(log.changes) if log else 0
-                engine = layers.build_engine_specs(scenario, platform, self.make_worker)
+                engine = layers.build_engine_specs(scenario, platform, self)
                 _ENGINES[key] = engine, tuple(log.changes[logged:]) if log else ()
             engine, changes = _ENGINES[key]
             if log:
@@ -349,6 +362,16 @@ class VllmBackend(ReferenceBackend):
         """The worker of this backend on ``config``, without a device (:mod:`.worker`); a
         plugin's profile overrides it when its worker needs more (a mesh, a runner of its own)."""
         return build_worker(_resolved_worker(self._worker_arg), config, distributed_init_method)
+
+    def building_model(self) -> contextlib.AbstractContextManager[Any]:
+        """A context the model's layers are built in, besides ``torch.device("meta")``: none for
+        vLLM's own layers; a plugin's profile may put on ``meta`` what its layers place explicitly."""
+        return contextlib.nullcontext()
+
+    def load_model(self, worker: Any, model: Any) -> None:
+        """What the worker's ``load_model`` leaves besides the weights, given ``model`` (its layers
+        on ``meta``): nothing for vLLM core's worker, whose runner reads the layers from the
+        config's forward context; a plugin's profile may hand it to its runner."""
 
     def rerun_hooks(self, scenario: Scenario) -> dict[str, list[HookChange]]:
         """What the platform's config hooks change when run a second time (see the platform
@@ -405,17 +428,19 @@ class VllmBackend(ReferenceBackend):
         return EngineLayerSpecs(engine)
 
     # -- memory: the worker's probe
-    def determine_available_memory(self, scenario: Scenario) -> int:
-        """The worker's ``determine_available_memory`` (vllm/v1/worker/gpu_worker.py), its
-        memory probe answering the scenario's budget (``--kv-cache-memory-bytes``)."""
+    def determine_available_memory(self, device_free_bytes: int | None = None, *, scenario: Scenario) -> int:
+        """The worker's ``determine_available_memory`` (vllm/v1/worker/gpu_worker.py) under the
+        scenario's budget (``--kv-cache-memory-bytes``), its device reporting ``device_free_bytes``
+        free (None: the budget; :func:`.worker.device_free`)."""
         engine = self.engine(scenario)
-        with self._scope(scenario), _current_config(engine.config):
+        with self._scope(scenario), _current_config(engine.config), device_free(device_free_bytes):
             return int(engine.worker.determine_available_memory())
 
     # -- allocation: the worker's initialisation from vLLM's KVCacheConfig
     def allocate_kv_cache(self, plan: KVPlan, num_blocks: int, scenario: Scenario) -> PoolAllocation:
         """A plugin worker's ``initialize_from_config`` with vLLM's ``KVCacheConfig`` of
-        ``num_blocks`` blocks, and the bytes it then holds, each storage counted once
+        ``num_blocks`` blocks, asked of a new worker (the engine initialises a worker's cache
+        once), and the bytes it then holds, each storage counted once
         (:func:`.worker.bytes_held`). The memory given to ``get_kv_cache_configs`` is
         ``num_blocks`` of the engine's own blocks (its planner's bytes per block on the worker's
         specs), not the reference plan's: where the two differ, the layer-spec and plan checks show
@@ -429,12 +454,14 @@ class VllmBackend(ReferenceBackend):
         try:
             with self._scope(scenario), _current_config(engine.config):
                 kv_config = planning.kv_cache_config(engine.config, engine.specs, num_blocks * own)
-                engine.worker.initialize_from_config(kv_config)
-                held = bytes_held(engine.worker)
+                assert engine.fresh_worker is not None
+                worker = engine.fresh_worker()
+                worker.initialize_from_config(kv_config)
+                held = bytes_held(worker)
         finally:
             cache.num_gpu_blocks_override = pinned
         blocks = int(kv_config.num_blocks)
-        return PoolAllocation(blocks, held // blocks, held, handle=engine.worker)
+        return PoolAllocation(blocks, held // blocks, held, handle=worker)
 
     # -- platform: vLLM's own defaults for what the scenario leaves unset
     def engine_defaults(self, scenario: Scenario) -> Scenario:

@@ -24,7 +24,7 @@ from ...model import BlockChoice
 from ...scenario import Scenario
 from .api import mla_prefill_missing, non_ssm_backends
 from .offline import vllm_config
-from .platform import HookChange, config_snapshot, config_without_model, diff
+from .platform import HookChange, config_snapshot, config_without_model, diff, is_neutral
 from .runtime import LOCK, UnsupportedByVllmError, vllm_runtime
 
 
@@ -37,6 +37,9 @@ class EngineSpecs:
     choice: BlockChoice
     backends: tuple[type, ...]  # the distinct non-SSM attention backends, in layer order
     worker: Any = None  # the worker that answered (:mod:`.worker`), built without a device
+    #: a new worker on the same config and model, asked its specs (the engine initialises a
+    #: worker's KV cache once: each allocation gets its own)
+    fresh_worker: Callable[[], Any] | None = None
 
 
 #: GPU-only libraries a model's layers import that a CPU build of vLLM does not ship: building a
@@ -129,16 +132,16 @@ def build_drafter(config: Any) -> None:
         model_cls(vllm_config=config, prefix="")
 
 
-def build_engine_specs(
-    scenario: Scenario, platform: type, make_worker: Callable[[Any, str], Any] | None = None
-) -> EngineSpecs:
+def build_engine_specs(scenario: Scenario, platform: type, hooks: Any = None) -> EngineSpecs:
     """In the engine's order (``UniProcExecutor._init_executor``: the worker, its device, its
     model, then ``update_block_size_for_backend``): the worker
-    (``make_worker(config, distributed_init_method)``; vLLM core's GPU worker by default) built
+    (``hooks.make_worker(config, distributed_init_method)``; vLLM core's GPU worker by default) built
     without a device, the model's layers on ``meta``, ``update_block_size_for_backend``, then the
     worker's ``get_kv_cache_spec`` (:mod:`.worker`). A plugin's worker may prepare the config its
     model is built under, as its ``init_device`` and ``load_model`` would (tpu-inference's sets
-    the ``quant_config`` that carries its runner's mesh).
+    the ``quant_config`` that carries its runner's mesh); the model is built inside
+    ``hooks.building_model()`` and then handed to ``hooks.load_model(worker, model)``, as the
+    worker's ``load_model`` would leave it with its runner (``hooks``: the backend).
 
     Call inside ``platform_scope(platform)``. Pieces that cannot run offline raise
     :class:`UnsupportedByVllmError` naming them.
@@ -150,19 +153,26 @@ def build_engine_specs(
     from .worker import build_worker, resolve_worker
 
     vllm_runtime()
+    if hooks is not None:
+        make_worker, load_model, building_model = hooks.make_worker, hooks.load_model, hooks.building_model
+    else:
+        make_worker = lambda config, init: build_worker(resolve_worker(None), config, init)  # noqa: E731
+        load_model, building_model = (lambda worker, model: None), contextlib.nullcontext
     rt = scenario.runtime
     config = vllm_config(scenario, platform)
-    missing = mla_prefill_missing() if config.model_config.use_mla else None
+    # vLLM's own platforms build vLLM's MLA prefill backend; a plugin's may bring its own
+    vllm_platform = is_neutral(platform) or platform.__module__.startswith("vllm.")
+    missing = mla_prefill_missing() if config.model_config.use_mla and vllm_platform else None
     if missing:
         raise UnsupportedByVllmError("cpu_build", f"{config.model_config.architecture}: {missing}")
     groups = parallel_groups(rt.tensor_parallel_size, rt.decode_context_parallel_size)
     with LOCK, set_current_vllm_config(config), groups:
-        make_worker = make_worker or (lambda config, init: build_worker(resolve_worker(None), config, init))
         worker = make_worker(config, f"file://{_DISTRIBUTED[0]}")
         try:
-            with torch.device("meta"):
-                _model_class(config)(vllm_config=config, prefix="")
+            with torch.device("meta"), building_model():
+                model = _model_class(config)(vllm_config=config, prefix="")
                 build_drafter(config)
+            load_model(worker, model)
         except ImportError as exc:  # only a GPU library a CPU build lacks; anything else crashes
             if (exc.name or "").partition(".")[0] not in GPU_ONLY_MODULES:
                 raise
@@ -179,11 +189,23 @@ def build_engine_specs(
         # max_num_batched_tokens (AssertionError).
         config.validate_block_size()
         specs = worker.get_kv_cache_spec()
+
+    def fresh_worker() -> Any:
+        with (
+            LOCK,
+            set_current_vllm_config(config),
+            parallel_groups(rt.tensor_parallel_size, rt.decode_context_parallel_size),
+        ):
+            new = make_worker(config, f"file://{_DISTRIBUTED[0]}")
+            load_model(new, model)
+            new.get_kv_cache_spec()
+            return new
+
     cache = config.cache_config
     mamba_block = cache.mamba_block_size if cache.mamba_block_size is not None else rt.max_model_len
     padded, shared = cache.mamba_page_size_padded, getattr(cache, "skip_page_size_padded", None)
     choice = BlockChoice(int(cache.block_size), int(mamba_block), padded, shared)
-    return EngineSpecs(config, dict(specs), choice, backends, worker)
+    return EngineSpecs(config, dict(specs), choice, backends, worker, fresh_worker)
 
 
 def rerun_hooks(engine: EngineSpecs, scenario: Scenario) -> dict[str, list[HookChange]]:

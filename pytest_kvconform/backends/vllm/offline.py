@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import contextvars
 import copy
 import dataclasses
 import functools
@@ -30,6 +31,21 @@ from .private import private
 from .runtime import UnsupportedByVllmError
 
 _CONFIG_ROOT: list[Path] = []
+
+#: the device the engine's config names (``--device``, ``DeviceConfig``) inside a backend's scope:
+#: ``cpu``, or a plugin's own device type where its hooks act only on that (vllm-ascend: ``npu``)
+ENGINE_DEVICE: contextvars.ContextVar[str] = contextvars.ContextVar("kvconform_engine_device", default="cpu")
+
+
+@contextlib.contextmanager
+def engine_device(device: str) -> Iterator[None]:
+    """Inside, the configs built name ``device`` (:data:`ENGINE_DEVICE`)."""
+    token = ENGINE_DEVICE.set(device)
+    try:
+        yield
+    finally:
+        ENGINE_DEVICE.reset(token)
+
 
 #: Caches of answers on the neutral platform (one per geometry); tests that fake the host clear them.
 CACHES: list[Any] = []
@@ -170,7 +186,7 @@ def vllm_config(scenario: Scenario, platform: type) -> Any:
     with _assertions_unwrapped():
         config = VllmConfig(
             model_config=model_config, cache_config=cache, scheduler_config=scheduler,
-            device_config=DeviceConfig(device="cpu"), parallel_config=parallel,
+            device_config=DeviceConfig(device=ENGINE_DEVICE.get()), parallel_config=parallel,
             speculative_config=speculative_config(scenario, model_config, parallel),
             additional_config=rt.additional_config_dict,
         )  # fmt: skip

@@ -16,9 +16,12 @@ class is vLLM core's GPU worker (``vllm.v1.worker.gpu_worker:Worker``) by defaul
 * ``init_device`` and ``load_model`` are never called: no device, no weights. If the worker has no
   ``model_runner`` after construction, it gets :class:`RunnerStandIn`: ``get_kv_cache_spec()`` is
   vLLM's ``GPUModelRunner.get_kv_cache_spec`` over those layers, ``profile_run()`` does nothing;
-* the memory probe answers the scenario's budget: ``cache_config.kv_cache_memory_bytes`` is the
-  scenario's ``kv_cache_memory_bytes`` (``--kv-cache-memory-bytes``) and ``init_snapshot.free_memory``
-  reports it; ``randomize_dummy_inputs`` is False;
+* ``cache_config.kv_cache_memory_bytes`` is the scenario's ``kv_cache_memory_bytes``
+  (``--kv-cache-memory-bytes``), the engine's budget, which ``determine_available_memory`` returns
+  (vLLM core's GPU worker does). The device's free memory (``init_snapshot.free_memory``; a
+  profile's fake device, :func:`device_free_bytes`) is that budget, except in the budget check
+  (``test_available_memory``), where the device has more free than the budget;
+  ``randomize_dummy_inputs`` is False;
 * the tensor-parallel group has the scenario's size and this worker is rank 0; nothing
   communicates;
 * a plugin's worker is also asked ``initialize_from_config(kv_cache_config)`` with vLLM's own
@@ -29,7 +32,9 @@ class is vLLM core's GPU worker (``vllm.v1.worker.gpu_worker:Worker``) by defaul
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
 from typing import Any
 
 #: vLLM core's worker: the default
@@ -55,6 +60,38 @@ def worker_name(worker: type | str | None) -> str:
     return (worker or GPU_WORKER).replace(":", ".")
 
 
+#: what the fake device has free while a memory probe runs; None: the engine's budget
+_DEVICE_FREE: contextvars.ContextVar[int | None] = contextvars.ContextVar("kvconform_free", default=None)
+
+
+def device_free_bytes(config: Any) -> int:
+    """The bytes the fake device of an engine on ``config`` has free: its
+    ``kv_cache_memory_bytes`` (the budget), or what :func:`device_free` set."""
+    free = _DEVICE_FREE.get()
+    return int(config.cache_config.kv_cache_memory_bytes or 0) if free is None else free
+
+
+@contextlib.contextmanager
+def device_free(free: int | None) -> Iterator[None]:
+    """Inside, the fake device has ``free`` bytes free (None: the engine's budget)."""
+    token = _DEVICE_FREE.set(free)
+    try:
+        yield
+    finally:
+        _DEVICE_FREE.reset(token)
+
+
+class DeviceSnapshot:
+    """``Worker.init_snapshot`` (a ``MemorySnapshot`` taken by ``init_device``) of the fake device."""
+
+    def __init__(self, config: Any) -> None:
+        self._config = config
+
+    @property
+    def free_memory(self) -> int:
+        return device_free_bytes(self._config)
+
+
 class RunnerStandIn:
     """The model runner of a worker built without a device: the layers' specs through vLLM's own
     ``GPUModelRunner.get_kv_cache_spec``, a profile run that runs nothing."""
@@ -72,17 +109,25 @@ class RunnerStandIn:
         return None
 
 
-def build_worker(worker_cls: type, config: Any, distributed_init_method: str) -> Any:
-    """``worker_cls`` on ``config``, without a device (the contract above). Call inside the
-    platform's scope, under ``set_current_vllm_config(config)``."""
+def build_worker(
+    worker_cls: type,
+    config: Any,
+    distributed_init_method: str,
+    init_device: Callable[[Any], Any] | None = None,
+) -> Any:
+    """``worker_cls`` on ``config``, without a device (the contract above), then ``init_device``
+    (a plugin profile's: what the worker's own ``init_device`` makes besides the device and the
+    process group). Call inside the platform's scope, under ``set_current_vllm_config(config)``."""
     worker = worker_cls(
         vllm_config=config, local_rank=0, rank=0, distributed_init_method=distributed_init_method,
         is_driver_worker=True,
     )  # fmt: skip
+    if init_device is not None:
+        init_device(worker)
     if getattr(worker, "model_runner", None) is None:
         worker.model_runner = RunnerStandIn(config)
     if not hasattr(worker, "init_snapshot"):
-        worker.init_snapshot = SimpleNamespace(free_memory=config.cache_config.kv_cache_memory_bytes)
+        worker.init_snapshot = DeviceSnapshot(config)
     if not hasattr(worker, "randomize_dummy_inputs"):
         worker.randomize_dummy_inputs = False
     return worker
@@ -131,5 +176,5 @@ def _storages(x: Any, out: dict[Any, int]) -> None:
         out[("array", id(x))] = int(x.nbytes)
 
 
-__all__ = ["GPU_WORKER", "RunnerStandIn", "build_worker", "bytes_held", "is_gpu_worker", "resolve_worker",
-           "worker_name"]  # fmt: skip
+__all__ = ["GPU_WORKER", "DeviceSnapshot", "RunnerStandIn", "build_worker", "bytes_held", "device_free",
+           "device_free_bytes", "is_gpu_worker", "resolve_worker", "worker_name"]  # fmt: skip

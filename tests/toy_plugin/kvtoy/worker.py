@@ -100,6 +100,14 @@ class Fp8AtModelDtypeWorker(ToyWorker):
         return self.model_config.dtype
 
 
+class SizesFromTheDeviceWorker(ToyWorker):
+    """Reports what its device has free at gpu_memory_utilization and never reads
+    --kv-cache-memory-bytes (as tpu-inference 0.32 and vllm-rbln 0.12 do: docs/findings.md)."""
+
+    def determine_available_memory(self):
+        return int(self.init_snapshot.free_memory * self.cache_config.gpu_memory_utilization)
+
+
 class ToyWorkerVllm(VllmBackend):
     name = "toy-worker"
     worker = ToyWorker

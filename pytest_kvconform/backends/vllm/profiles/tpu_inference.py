@@ -18,7 +18,7 @@ The device is a CPU JAX mesh of :data:`DEVICES` devices. Every piece the core pa
 is a shim of this module, named and explained where it is defined; none changes how
 tpu-inference computes a size:
 
-* :func:`environment`, before JAX or tpu_inference is imported: ``TPU_NAME``,
+* ``environment``, before JAX or tpu_inference is imported: ``TPU_NAME``,
   ``TPU_ACCELERATOR_TYPE``, ``TPU_WORKER_ID`` (else importing tpu_inference polls the GCE
   metadata server, ``tpu_inference/tpu_info.py``), ``JAX_PLATFORMS=cpu``,
   ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (the mesh's devices) and
@@ -27,10 +27,10 @@ tpu-inference computes a size:
 * :func:`torchax_named_tensor_overloads`: torchax 0.0.13 names ``Dimname`` overloads torch 2.13
   removed;
 * :func:`vllm_c_already_loaded`: the ``import vllm._C`` at the top of ``tpu_platform.py``;
-* :func:`tokamax_gmm_v2_absent`: tokamax 0.0.12 (the newest for Python 3.11) lacks ``gmm_v2``;
+* a stub of tokamax's ``gmm_v2`` (``stubs``): tokamax 0.0.12 (the newest for Python 3.11) lacks it;
 * :func:`cpu_device_coords`: ``make_optimized_mesh`` sorts devices by their TPU ``coords``;
-* :func:`device_memory`: the devices' ``memory_stats`` answer the scenario's budget;
-* :meth:`TpuInferenceBackend.make_worker`: the devices, the ``TPUModelRunner`` and the
+* :func:`device_memory`: the devices' ``memory_stats`` report the fake device's free memory;
+* :meth:`TpuInferenceBackend.init_device`: the devices, the ``TPUModelRunner`` and the
   ``quant_config`` that carries its mesh, as ``init_device`` and ``load_model`` make them.
 
 Declined with the reason (``TpuInferenceBackend.declines``), never answered: what tpu-inference
@@ -48,47 +48,34 @@ from __future__ import annotations
 import contextlib
 import importlib
 import math
-import os
 import sys
 import types
 from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
 
 from ....requirements import HYBRID, Declines, InputKind
-from ..backend import VllmBackend
-from ..runtime import UnsupportedByVllmError, VllmUnavailableError, vllm_runtime
+from ..runtime import UnsupportedByVllmError, vllm_runtime
+from .profile import PluginProfile, Stub
 
-#: tpu-inference's pieces, as ``package.module:Class``
-PLATFORM = "tpu_inference.platforms.tpu_platform:TpuPlatform"
-WORKER = "tpu_inference.worker.tpu_worker:TPUWorker"
+#: tpu-inference's model runner, which TPUWorker.init_device builds
 RUNNER = "tpu_inference.runner.tpu_runner:TPUModelRunner"
-
-INSTALL_HINT = "bash scripts/install-tpu-inference.sh (tpu-inference 0.32.0 in .venv-tpu)"
 
 #: CPU JAX devices of the mesh: a v6e-8 host has 8 chips (1 JAX device each)
 DEVICES = 8
 
 #: The environment tpu-inference reads at import, set before it is imported (values already
-#: set by the user are kept).
+#: set by the user are kept)
 ENVIRONMENT = {
     "JAX_PLATFORMS": "cpu",
     "TPU_NAME": "kvconform",
     "TPU_ACCELERATOR_TYPE": f"v6e-{DEVICES}",
     "TPU_WORKER_ID": "0",
+    # the mesh's devices: JAX reads it when it first initialises a backend
+    "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES}",
     # TPUWorker.initialize_from_config first JIT-compiles the sampler (to keep that memory out of
     # the KV cache's way on a TPU); it needs a loaded model and sizes nothing
     "SKIP_JAX_PRECOMPILE": "1",
 }
-
-
-def environment(devices: int = DEVICES) -> None:
-    """Shim: the variables of :data:`ENVIRONMENT`, and ``devices`` CPU devices for JAX
-    (``--xla_force_host_platform_device_count``). Must run before JAX initialises its backend."""
-    for name, value in ENVIRONMENT.items():
-        os.environ.setdefault(name, value)
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
 
 
 class RemovedOverload:
@@ -146,33 +133,11 @@ def vllm_c_already_loaded() -> None:
         sys.modules["vllm._C"] = module
 
 
-#: the tokamax module tpu-inference 0.32 imports its grouped matmul from (tokamax >= 0.0.13)
-GMM_V2 = "tokamax._src.ops.experimental.gmm_v2.gmm_v2"
-
-
-def tokamax_gmm_v2_absent() -> None:
-    """Shim: tokamax 0.0.12 (the last for Python 3.11) has no ``gmm_v2``, which
-    ``tpu_inference/layers/common/linear.py`` and ``fused_moe_gmm.py`` import at module level
-    (tpu-inference 0.32 pins tokamax 0.0.17, Python >= 3.12). The grouped matmul kernel sizes
-    nothing: when the module is absent it is a module whose ``gmm_v2`` and
-    ``calculate_tiling`` raise if ever called."""
-    try:
-        importlib.import_module(GMM_V2)
-        return
-    except ImportError:
-        pass
-
-    def absent(*args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError(f"{GMM_V2} is not in the installed tokamax (a kernel; sizing never runs it)")
-
-    package = types.ModuleType(GMM_V2.rpartition(".")[0])
-    package.__path__ = []  # a package
-    module = types.ModuleType(GMM_V2, "tokamax's gmm_v2, absent from tokamax 0.0.12")
-    module.gmm_v2 = absent  # type: ignore[attr-defined]
-    module.calculate_tiling = absent  # type: ignore[attr-defined]
-    package.gmm_v2 = module  # type: ignore[attr-defined]
-    sys.modules[package.__name__] = package
-    sys.modules[GMM_V2] = module
+#: tokamax 0.0.12 (the last for Python 3.11) has no ``gmm_v2``, which
+#: ``tpu_inference/layers/common/linear.py`` and ``fused_moe_gmm.py`` import at module level
+#: (tpu-inference 0.32 pins tokamax 0.0.17, Python >= 3.12); stubbed where absent
+GMM_V2 = Stub("tokamax._src.ops.experimental.gmm_v2", "tokamax's grouped matmul kernel, absent from "
+              "tokamax 0.0.12 (a kernel: sizing never runs it)")  # fmt: skip
 
 
 def cpu_device_coords() -> None:
@@ -185,26 +150,6 @@ def cpu_device_coords() -> None:
     device_cls = type(jax.devices()[0])
     if not hasattr(device_cls, "coords"):
         device_cls.coords = property(lambda self: (self.id, 0, 0))  # type: ignore[attr-defined]
-
-
-_PREPARED: list[bool] = []
-
-
-def prepare() -> None:
-    """The shims that precede tpu-inference's import, once per process, then its import."""
-    if _PREPARED:
-        return
-    environment()
-    vllm_runtime()  # vLLM first: its CPU build loads the kernels of this CPU
-    vllm_c_already_loaded()
-    tokamax_gmm_v2_absent()
-    cpu_device_coords()
-    device_memory()
-    with torchax_named_tensor_overloads():
-        importlib.import_module("torchax")
-        importlib.import_module("tpu_inference.platforms.tpu_platform")
-        importlib.import_module(RUNNER.partition(":")[0])
-    _PREPARED.append(True)
 
 
 # ---------------------------------------------------------------------------- device memory
@@ -228,9 +173,12 @@ def device_memory() -> None:
     scenario's budget is per device, as ``--kv-cache-memory-bytes`` is per GPU worker: a GPU
     worker drives one tensor-parallel rank, TPUWorker all of them (SPMD), and sums its devices.
     Outside an engine's config, or on one without a budget, it answers as a CPU device does
-    (None)."""
+    (None). In the budget check (``test_available_memory``) the fake device has more free than
+    the budget (:func:`..worker.device_free_bytes`)."""
     import jax
     from vllm.config import vllm as vllm_config_module
+
+    from ..worker import device_free_bytes
 
     device_cls = type(jax.devices()[0])
     original = device_cls.memory_stats
@@ -243,7 +191,7 @@ def device_memory() -> None:
         tpu_config = getattr(config, "sharding_config", None) is not None  # TpuPlatform configured it
         if cache is None or not tpu_config or not cache.kv_cache_memory_bytes:
             return original(self)
-        return hbm_stats(int(cache.kv_cache_memory_bytes), float(cache.gpu_memory_utilization))
+        return hbm_stats(device_free_bytes(config), float(cache.gpu_memory_utilization))
 
     memory_stats.kvconform_shim = True  # type: ignore[attr-defined]
     device_cls.memory_stats = memory_stats
@@ -304,15 +252,19 @@ _PINNED = (
 # ---------------------------------------------------------------------------- the backend
 
 
-class TpuInferenceBackend(VllmBackend):
+class TpuInferenceBackend(PluginProfile):
     """tpu-inference 0.32 (platform, worker, runner) on vLLM 0.32's CPU build, CPU JAX mesh."""
 
     name: ClassVar[str] = "tpu-inference"
-    platform: ClassVar[type | str | None] = PLATFORM
-    worker: ClassVar[type | str | None] = WORKER
+    distribution: ClassVar[str] = "tpu-inference"
+    install_hint: ClassVar[str] = "bash scripts/install-tpu-inference.sh (tpu-inference 0.32.0 in .venv-tpu)"
+    platform: ClassVar[type | str | None] = "tpu_inference.platforms.tpu_platform:TpuPlatform"
+    worker: ClassVar[type | str | None] = "tpu_inference.worker.tpu_worker:TPUWorker"
+    environment: ClassVar[dict[str, str]] = ENVIRONMENT
+    stubs: ClassVar[tuple[Stub, ...]] = (GMM_V2,)
     #: TPUWorker.initialize_from_config allocates the pool (JAX arrays on the CPU mesh), except where
     #: the engine pins its block count; what tpu-inference refuses to start with is declined
-    declines: ClassVar[Declines] = VllmBackend.declines | Declines(
+    declines: ClassVar[Declines] = PluginProfile.declines | Declines(
         {
             "hybrid_alignment": "TpuPlatform.update_block_size_for_backend never runs "
             "Platform._align_hybrid_block_size (removed by design, tpu-inference #2090 -> #2627): the "
@@ -335,37 +287,26 @@ class TpuInferenceBackend(VllmBackend):
         "vLLM when imported; JAX's devices are fixed for the process"
     )
 
-    def __init__(
-        self,
-        platform: type | str | None = None,
-        cpu_features: str = "native",
-        worker: type | str | None = None,
-    ) -> None:
-        import importlib.util
-
-        if importlib.util.find_spec("tpu_inference") is None:
-            raise VllmUnavailableError(f"tpu-inference is not installed: {INSTALL_HINT}")
-        environment()
-        super().__init__(platform=platform, cpu_features=cpu_features, worker=worker)
-
     def notes(self) -> list[str]:
-        from importlib.metadata import version
+        return [*super().notes(), f"CPU JAX mesh of {DEVICES} devices"]
 
-        return [
-            *super().notes(),
-            f"tpu-inference {version('tpu-inference')}, CPU JAX mesh of {DEVICES} devices",
-        ]
+    def load_plugin(self) -> None:
+        """vLLM first (its CPU build loads the kernels of this CPU), the shims that precede
+        tpu-inference's import, then its platform, worker and runner modules."""
+        vllm_runtime()
+        vllm_c_already_loaded()
+        cpu_device_coords()
+        device_memory()
+        with torchax_named_tensor_overloads():
+            importlib.import_module("torchax")
+            super().load_plugin()
+            importlib.import_module(RUNNER.partition(":")[0])
 
-    def platform_for(self, scenario: Any) -> type:
-        prepare()
-        return super().platform_for(scenario)
-
-    def make_worker(self, config: Any, distributed_init_method: str) -> Any:
-        """Shim: TPUWorker on ``config`` (the worker contract), then what ``TPUWorker.init_device``
-        and ``TPUModelRunner.load_model`` make before any spec is asked, and nothing else of them:
-        the devices (``jax.devices()[:sharding_config.total_devices]``), ``topology_order_id``
-        (the rank, on a single host), the ``TPUModelRunner`` (rank 0, first and last pipeline
-        rank; it builds the mesh and the ``KVCacheManager``), and, as
+    def init_device(self, worker: Any) -> None:
+        """What ``TPUWorker.init_device`` and ``TPUModelRunner.load_model`` make before any spec is
+        asked, and nothing else of them: the devices (``jax.devices()[:sharding_config.total_devices]``),
+        ``topology_order_id`` (the rank, on a single host), the ``TPUModelRunner`` (rank 0, first
+        and last pipeline rank; it builds the mesh and the ``KVCacheManager``), and, as
         ``VllmModelWrapper.__init__`` does, ``config.quant_config =
         get_tpu_quantization_config(config, mesh)``, which tpu-inference's replacement layers
         (``tpu_inference.layers.vllm``, registered process-wide) read while the core path builds
@@ -375,12 +316,7 @@ class TpuInferenceBackend(VllmBackend):
 
         module_name, _, attr = RUNNER.partition(":")
         runner_cls = getattr(importlib.import_module(module_name), attr)
-        worker_module, _, worker_attr = (self._worker_arg or WORKER).partition(":")
-        worker_cls = getattr(importlib.import_module(worker_module), worker_attr)
-        worker = worker_cls(
-            vllm_config=config, local_rank=0, rank=0, distributed_init_method=distributed_init_method,
-            is_driver_worker=True,
-        )  # fmt: skip
+        config = worker.vllm_config
         total = config.sharding_config.total_devices
         if total > len(jax.devices()):
             raise UnsupportedByVllmError(
@@ -394,9 +330,7 @@ class TpuInferenceBackend(VllmBackend):
         from tpu_inference.layers.vllm.quantization import get_tpu_quantization_config
 
         config.quant_config = get_tpu_quantization_config(config, worker.model_runner.mesh)
-        return worker
 
 
-__all__ = ["TpuInferenceBackend", "cpu_device_coords", "device_memory", "environment", "hbm_stats", "prepare",
-           "tokamax_gmm_v2_absent", "torchax_named_tensor_overloads",
-           "vllm_c_already_loaded"]  # fmt: skip
+__all__ = ["TpuInferenceBackend", "cpu_device_coords", "device_memory", "hbm_stats",
+           "torchax_named_tensor_overloads", "vllm_c_already_loaded"]  # fmt: skip
