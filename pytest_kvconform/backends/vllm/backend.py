@@ -454,7 +454,6 @@ class VllmBackend(ReferenceBackend):
         try:
             with self._scope(scenario), _current_config(engine.config):
                 kv_config = planning.kv_cache_config(engine.config, engine.specs, num_blocks * own)
-                assert engine.fresh_worker is not None
                 worker = engine.fresh_worker()
                 worker.initialize_from_config(kv_config)
                 held = bytes_held(worker)

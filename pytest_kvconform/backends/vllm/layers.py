@@ -36,10 +36,10 @@ class EngineSpecs:
     specs: dict[str, Any]  # layer name -> vLLM KVCacheSpec (the worker's get_kv_cache_spec)
     choice: BlockChoice
     backends: tuple[type, ...]  # the distinct non-SSM attention backends, in layer order
-    worker: Any = None  # the worker that answered (:mod:`.worker`), built without a device
+    worker: Any  # the worker that answered (:mod:`.worker`), built without a device
     #: a new worker on the same config and model, asked its specs (the engine initialises a
     #: worker's KV cache once: each allocation gets its own)
-    fresh_worker: Callable[[], Any] | None = None
+    fresh_worker: Callable[[], Any]
 
 
 #: GPU-only libraries a model's layers import that a CPU build of vLLM does not ship: building a
@@ -132,16 +132,16 @@ def build_drafter(config: Any) -> None:
         model_cls(vllm_config=config, prefix="")
 
 
-def build_engine_specs(scenario: Scenario, platform: type, hooks: Any = None) -> EngineSpecs:
+def build_engine_specs(scenario: Scenario, platform: type, hooks: Any) -> EngineSpecs:
     """In the engine's order (``UniProcExecutor._init_executor``: the worker, its device, its
     model, then ``update_block_size_for_backend``): the worker
-    (``hooks.make_worker(config, distributed_init_method)``; vLLM core's GPU worker by default) built
+    (``hooks.make_worker(config, distributed_init_method)``; ``hooks``: the backend) built
     without a device, the model's layers on ``meta``, ``update_block_size_for_backend``, then the
     worker's ``get_kv_cache_spec`` (:mod:`.worker`). A plugin's worker may prepare the config its
     model is built under, as its ``init_device`` and ``load_model`` would (tpu-inference's sets
     the ``quant_config`` that carries its runner's mesh); the model is built inside
     ``hooks.building_model()`` and then handed to ``hooks.load_model(worker, model)``, as the
-    worker's ``load_model`` would leave it with its runner (``hooks``: the backend).
+    worker's ``load_model`` would leave it with its runner.
 
     Call inside ``platform_scope(platform)``. Pieces that cannot run offline raise
     :class:`UnsupportedByVllmError` naming them.
@@ -150,14 +150,8 @@ def build_engine_specs(scenario: Scenario, platform: type, hooks: Any = None) ->
     from vllm.config import set_current_vllm_config
     from vllm.platforms import current_platform
 
-    from .worker import build_worker, resolve_worker
-
     vllm_runtime()
-    if hooks is not None:
-        make_worker, load_model, building_model = hooks.make_worker, hooks.load_model, hooks.building_model
-    else:
-        make_worker = lambda config, init: build_worker(resolve_worker(None), config, init)  # noqa: E731
-        load_model, building_model = (lambda worker, model: None), contextlib.nullcontext
+    make_worker, load_model = hooks.make_worker, hooks.load_model
     rt = scenario.runtime
     config = vllm_config(scenario, platform)
     # vLLM's own platforms build vLLM's MLA prefill backend; a plugin's may bring its own
@@ -169,7 +163,7 @@ def build_engine_specs(scenario: Scenario, platform: type, hooks: Any = None) ->
     with LOCK, set_current_vllm_config(config), groups:
         worker = make_worker(config, f"file://{_DISTRIBUTED[0]}")
         try:
-            with torch.device("meta"), building_model():
+            with torch.device("meta"), hooks.building_model():
                 model = _model_class(config)(vllm_config=config, prefix="")
                 build_drafter(config)
             load_model(worker, model)
