@@ -35,7 +35,7 @@ from .reference.specs import AttentionSpec, MambaSpec
 from .reference.unify import POLICIES
 from .rejections import rejection_kind
 from .requirements import KnownDeparture, known_departures_for
-from .scenario import REJECTS, Scenario
+from .scenario import REJECTS, Scenario, expected_value_matches
 from .verdict import Departure, NotApplicable, Result, decide
 
 
@@ -227,11 +227,6 @@ def plan(backend: Any, reference: Any, scenario: Scenario) -> None:
     assert_same_outcome("plan", backend, scenario, "plan", expected, got, plan_view)
 
 
-def _matches(want: Any, got: Any) -> bool:
-    """Authors write percentages and ratios to two decimals: floats match to 0.01."""
-    return abs(got - want) <= 0.01 if isinstance(want, float) else got == want
-
-
 def expectations(backend: Any, reference: Any, scenario: Scenario) -> None:
     """The scenario file's own ``[expect]`` table (numbers its author derived) and the plan fields
     of its ``[expect.external]`` (public observations) against the backend's plan.
@@ -262,11 +257,16 @@ def expectations(backend: Any, reference: Any, scenario: Scenario) -> None:
     got = {**{k: getattr(answer, k) for k in KVPlan.field_names()}, **answer.to_dict()}
     stated = [(table, k, v) for k, (table, v) in expect.items()]
     stated += [("expect.external", k, v) for k, v in external.items()]
-    shown = {k: message_view(v) if k in ("admission", "auto_fit_message") else v for k, v in got.items()}
+
+    def view(key: str, value: Any) -> Any:
+        return message_view(value) if key in ("admission", "auto_fit_message") else value
+
+    shown = {k: view(k, v) for k, v in got.items()}
     wrong = [
-        (f"{table}.{k}", v, shown[k]) for table, k, v in stated
-        if not _matches(message_view(v) if k in ("admission", "auto_fit_message") else v, shown[k])
-    ]  # fmt: skip
+        (f"{table}.{k}", v, shown[k])
+        for table, k, v in stated
+        if not expected_value_matches(view(k, v), shown[k])
+    ]
     if wrong:
         message = f"{scenario.source}: backend {backend.name!r}: " + "; ".join(
             f"{field}: expected {want!r}, got {have!r}" for field, want, have in wrong

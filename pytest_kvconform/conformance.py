@@ -17,10 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from . import provenance
-from .backends.base import METHOD_FAMILY, RULE_FAMILIES, ReferenceBackend
+from .backends.base import METHOD_FAMILY, RULE_FAMILIES
 from .errors import RuleError
 from .gaps import OfflineGap
-from .reference.releases import LATEST
+from .reference.releases import LATEST, rule_set
+from .reference.rules import reference_rules
 from .reference.specs import MambaSpec
 from .rejections import rejection_kind
 from .requirements import INPUT_KINDS, KnownDeparture
@@ -457,16 +458,21 @@ class Difference:
         return f"{self.scenario}: {self.field}: reference {self.reference!r}, backend {self.backend!r}"
 
 
-def check_scenario(scenario: Scenario | str | Path, backend: Any) -> list[Difference]:
-    """Compare ``backend.plan`` with the reference's plan, field by field (messages by their kind
-    and numbers, :func:`plan_view`).
+def check_scenario(
+    scenario: Scenario | str | Path, backend: Any, release: str | None = None
+) -> list[Difference]:
+    """Compare ``backend.plan`` with the reference's plan under ``release``'s rules (a vLLM
+    version such as ``"0.30"``; default: the backend's ``release`` where it has one, else the
+    newest), field by field (messages by their kind and numbers, :func:`plan_view`).
 
-    For downstream repos: ``assert not check_scenario("my-model.toml", MyBackend())``.
-    A malformed file raises :class:`~pytest_kvconform.scenario.ScenarioError`.
+    For downstream repos: ``assert not check_scenario("my-model.toml", MyBackend(), "0.32")``.
+    A malformed file raises :class:`~pytest_kvconform.scenario.ScenarioError`; a version with no
+    rule set, ``ValueError``.
     """
     if not isinstance(scenario, Scenario):
         scenario = load_scenario(scenario)
-    expected = plan_view(ReferenceBackend().plan(scenario))
+    rules = reference_rules(rule_set(release) if release else getattr(backend, "release", None))
+    expected = plan_view(rules.plan(scenario=scenario))
     got = plan_view(backend.plan(scenario))
     return [
         Difference(scenario.name, k, expected[k], got.get(k)) for k in expected if expected[k] != got.get(k)

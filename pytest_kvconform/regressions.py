@@ -87,12 +87,10 @@ def plan_record(rules: Any, scenario: Scenario) -> dict[str, Any]:
     return dict(answer[1].to_dict()) if answer[0] == "ok" else {REJECTS: answer[1]}
 
 
-def one_sequence_bytes(backend: Any, scenario: Scenario, release: RuleSet | None = None) -> int:
-    """The backend's one-sequence estimate at the reference's block choice for ``scenario`` (under
-    ``release``'s rules; the backend's, else the newest)."""
-    choice = reference_rules(release or getattr(backend, "release", None)).choose_block_size(
-        scenario=scenario
-    )
+def one_sequence_bytes(backend: Any, reference: Any, scenario: Scenario) -> int:
+    """The backend's one-sequence estimate at the block the reference (the selected release's
+    rules) chooses for ``scenario``."""
+    choice = reference.choose_block_size(scenario=scenario)
     return call_rule(
         backend, "one_sequence_bytes", choice.block_size, choice.state_page_padded, scenario=scenario
     )

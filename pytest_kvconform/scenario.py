@@ -23,6 +23,7 @@ import json
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from decimal import ROUND_HALF_EVEN, Decimal
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -326,13 +327,50 @@ def load_scenario(name_or_path: str | Path) -> Scenario:
     return parse_scenario(path.read_text(encoding="utf-8"), str(path))
 
 
+class WrittenFloat(float):
+    """A TOML float that keeps its text, so an ``[expect]`` value is compared to the precision it
+    is written in (:func:`expected_value_matches`)."""
+
+    text: str
+
+    def __new__(cls, text: str) -> WrittenFloat:
+        self = super().__new__(cls, text)
+        self.text = text.replace("_", "")
+        return self
+
+    def __getnewargs__(self) -> tuple[str]:  # pickles (to an isolated backend's process) keep the text
+        return (self.text,)
+
+
+def expected_value_matches(want: Any, got: Any) -> bool:
+    """An ``[expect]`` value against a plan's: exact, a float to the decimal places it is written
+    in (``28.8`` matches 28.8 or 28.75, never 28.805; ``0.080`` needs 0.080, rounding half to even)."""
+    if not isinstance(want, float):
+        return bool(got == want)
+    if isinstance(got, bool) or not isinstance(got, int | float):
+        return False
+    written = Decimal(want.text if isinstance(want, WrittenFloat) else repr(want))
+    if not written.is_finite():
+        return bool(got == want)
+    return Decimal(got).quantize(Decimal(1).scaleb(written.as_tuple().exponent), ROUND_HALF_EVEN) == written
+
+
 def parse_scenario(text: str, source: str = "<string>") -> Scenario:
     """Parse and validate ``kv-scenario/1`` TOML text."""
     try:
-        data = tomllib.loads(text)
+        data = tomllib.loads(text, parse_float=WrittenFloat)
     except tomllib.TOMLDecodeError as exc:
         raise ScenarioError(source, "<toml>", f"not valid TOML ({exc})") from None
-    return scenario_from_dict(data, source)
+    # only [expect] keeps the written text; the model and runtime hold plain floats
+    return scenario_from_dict({k: v if k == "expect" else _plain(v) for k, v in data.items()}, source)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, float):
+        return float(value)
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    return [_plain(v) for v in value] if isinstance(value, list) else value
 
 
 def scenario_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Scenario:
@@ -359,6 +397,11 @@ def scenario_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Scena
     external = expect.pop("external", {})
     if not isinstance(external, Mapping):
         raise ScenarioError(source, "expect.external", "expected a table")
+    for key in external:
+        if key != "source" and key not in KVPlan.field_names():
+            raise ScenarioError(
+                source, f"expect.external.{key}", "unknown key; expected a KVPlan field name or source"
+            )
     before = _read_expect_before(expect.pop("before", {}), expect, source)
     for key in expect:
         if key not in KVPlan.field_names():

@@ -14,6 +14,11 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
+# The venvs are installed without byte-compiling (scripts/install-vllm.sh): the first import of each
+# module writes its bytecode, which every later process reuses. With PYTHONDONTWRITEBYTECODE set
+# (CI images set it), every process would compile vLLM, torch and transformers again: about 20 s
+# more per process here, and the self-tests start a dozen of them.
+unset PYTHONDONTWRITEBYTECODE
 export VLLM_CACHE_ROOT=${VLLM_CACHE_ROOT:-$PWD/.vllm-cache} HF_HUB_OFFLINE=1
 # pytest-xdist workers per run (both cores; KVCONFORM_WORKERS=0 runs in one process)
 WORKERS=${KVCONFORM_WORKERS:-2}

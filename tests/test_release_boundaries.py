@@ -323,3 +323,39 @@ def test_the_suites_pass_the_mirror_and_fail_the_513_patch(pytester, backends, r
     assert patch.ret == pytest.ExitCode.TESTS_FAILED
     patch.stdout.re_match_lines([r"memory\s+\d+\s+\d+\s+\d+\s+[1-9]\d*\s"])  # departed
     patch.stdout.fnmatch_lines(["*test_estimate_max_model_len*"])
+
+
+# ----------------------------------------------------------------------------- the selected release
+
+
+def test_check_scenario_judges_by_the_release_it_is_given():
+    """Granite 4.0-H Tiny at block 400: vLLM 0.29+ hold back one pool block (4 attention layers x 400
+    tokens x 2,048 B = 3,276,800 B, the null block) from its 8 GiB; 0.27 and 0.28 do not. Judged by
+    0.27's rules, the newest rules' answer (the reference backend's) departs in exactly that field."""
+    from pytest_kvconform.conformance import check_scenario
+
+    newest = ReferenceBackend()
+    assert check_scenario("granite-4.0-h-tiny", newest) == []
+    (difference,) = check_scenario("granite-4.0-h-tiny", newest, "0.27")
+    assert (difference.field, difference.reference, difference.backend) == (
+        "available_bytes", 8_589_934_592, 8_589_934_592 - 4 * 400 * 2048,
+    )  # fmt: skip
+
+
+def test_the_regressions_one_sequence_estimate_is_asked_at_the_selected_releases_block():
+    """vLLM 0.25's Phase 3 grows the Llama-3.1-8B turboquant_k8v4 block from 16 to 32 (its file's
+    [expect.before.heterogeneous_kv_block_alignment], docs/scenario-derivations.md section 9): a
+    backend is asked its one-sequence bytes at the block of the release that judges it."""
+    from pytest_kvconform.reference.rules import reference_rules
+    from pytest_kvconform.regressions import one_sequence_bytes
+
+    class Recording(ReferenceBackend):
+        def one_sequence_bytes(self, block_size, state_page_padded, scenario):
+            asked.append(block_size)
+            return super().one_sequence_bytes(block_size, state_page_padded, scenario=scenario)
+
+    s = load_scenario("llama-3.1-8b-instruct-turboquant-k8v4")
+    asked: list[int] = []
+    for release in ("0.24", "0.25", "0.33"):
+        one_sequence_bytes(Recording(), reference_rules(rule_set(release)), s)
+    assert asked == [16, 32, 32]

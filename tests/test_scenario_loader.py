@@ -22,6 +22,7 @@ from pytest_kvconform.scenario import (
     RuntimeSettings,
     Scenario,
     ScenarioError,
+    expected_value_matches,
     load_scenario,
     packaged_scenario_names,
     parse_scenario,
@@ -363,6 +364,56 @@ def test_pure_state_model_loads(tmp_path):
 def test_unknown_expect_key(tmp_path):
     err = load_error(tmp_path, mutate(BASE, "expect.blocksize", 400))
     assert (err.key, err.problem) == ("expect.blocksize", "unknown key; expected a KVPlan field name")
+
+
+def test_unknown_expect_external_key(tmp_path):
+    err = load_error(tmp_path, mutate(BASE, "expect.external.blocksize", 400))
+    assert (err.key, err.problem) == (
+        "expect.external.blocksize",
+        "unknown key; expected a KVPlan field name or source",
+    )
+
+
+@pytest.mark.parametrize(
+    ("written", "got", "matches"),
+    [
+        ("28.8", 28.8, True),
+        ("28.8", 28.75, True),  # one place: 28.75 is 28.8 (half to even on the exact binary value)
+        ("28.805", 28.8, False),  # the 0.01 tolerance this replaced let it pass
+        ("28.80", 28.8, True),
+        ("28.80", 28.804, True),
+        ("28.80", 28.81, False),
+        ("4.35", 4452 * 32 / 32768, True),  # 4.34765625
+        ("1e-3", 0.001, True),
+        ("1_000.5", 1000.5, True),
+        ("2.0", 2, True),
+        ("2.0", True, False),
+        ("2.0", "2.0", False),
+    ],
+)
+def test_an_expected_float_matches_to_the_places_it_is_written_in(written, got, matches):
+    text = (
+        to_toml({k: v for k, v in BASE.items() if k != "expect"})
+        + f"\n[expect]\nmax_concurrency = {written}\n"
+    )
+    assert expected_value_matches(parse_scenario(text).expect["max_concurrency"], got) is matches
+
+
+def test_a_wrong_third_decimal_in_expect_departs():
+    """Granite 4.0-H Tiny's file derives max_concurrency = 28.8 (docs/scenario-derivations.md);
+    written as 28.805 it must not pass (it did within the 0.01 this replaced)."""
+    from pytest_kvconform import checks
+    from pytest_kvconform.backends.base import ReferenceBackend
+    from pytest_kvconform.reference.rules import reference_rules
+    from pytest_kvconform.verdict import Departure
+
+    path = resources.files("pytest_kvconform") / "scenarios" / "granite-4.0-h-tiny.toml"
+    text = path.read_text(encoding="utf-8")
+    assert "\nmax_concurrency = 28.8\n" in text
+    checks.expectations(ReferenceBackend(), reference_rules(), parse_scenario(text))
+    wrong = parse_scenario(text.replace("\nmax_concurrency = 28.8\n", "\nmax_concurrency = 28.805\n"))
+    with pytest.raises(Departure, match=r"expect\.max_concurrency: expected 28\.805, got 28\.8"):
+        checks.expectations(ReferenceBackend(), reference_rules(), wrong)
 
 
 # --------------------------------------------------------------------------- [expect.before.<change>]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -287,3 +288,58 @@ def test_lfm2_planner_omits_the_speculative_conv_rows(va: Any, spec: int, layer_
         assert (result["verdict"], result["outcome"]) == ("known", "xfailed"), result["message"]
         assert result["difference"] == {"field": "layer_specs", "reference": "'answers'",
                                         "backend": "'rejects: invalid_padding'"}  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- TurboQuant + skip layers
+# vLLM PR #54599 (open) describes the root cause: Platform._align_heterogeneous_kv_block_size pads the
+# sliding-window skip layers to the shared page but not a full-attention skip layer, and
+# unify_kv_cache_spec_page_size then scales the padded pages' block, keeping their page_size_padded.
+GEMMA2_TQ = Path(__file__).parent / "data" / "gemma-2-9b-turboquant-sliding-skipped.toml"
+# Derived here: 8 KV heads x 256. bf16 skip layers 2 x 8 x 256 x 2 = 8,192 B/token; turboquant_k8v4
+# 8 x (256 K bytes + 128 V bytes + 4 B of scales) = 3,104 B/token. Phase 3 prices the primary page
+# through layer 0's (native) backend at one byte per element, 2 x 8 x 256 = 4,096 B/token: block
+# 16 x cdiv(16 x 8,192, 16 x 4,096) = 32, shared page 32 x 4,096 = 131,072.
+GEMMA2_PAGES = {
+    "sliding skip (16 tokens, padded to the shared page)": (16, "bfloat16", 16 * 8192, 131_072),
+    "full skip, boundary layers 1 and 41 (unpadded)": (32, "bfloat16", 32 * 8192, None),
+    "full turboquant_k8v4": (32, "uint8", 32 * 3104, None),
+}
+
+
+def test_turboquant_with_the_sliding_layers_skipped_asserts_in_unify() -> None:
+    """Gemma-2-9B with turboquant_k8v4 on its full layers only: vLLM 0.32 builds the three pages
+    derived above, then unify scales the 131,072 B sliding pages x 2 to match the 262,144 B boundary
+    skip layers and asserts (``AttentionSpec.page_size_bytes``: padded 131,072 < 262,144): a rejection
+    of kind ``invalid_padding``, which the reference gives too."""
+    from pytest_kvconform.backends.vllm import VllmBackend
+    from pytest_kvconform.reference.rules import reference_rules
+    from pytest_kvconform.rejections import rejection_kind
+
+    s = load_scenario(GEMMA2_TQ)
+    pages = Counter(
+        (x.block_size, str(x.dtype).removeprefix("torch."), x.page_size_bytes, x.page_size_padded)
+        for x in VllmBackend().layer_specs(s).values()
+    )
+    assert pages == dict(zip(GEMMA2_PAGES.values(), (21, 2, 19), strict=True))
+    for backend in (VllmBackend(), reference_rules()):
+        with pytest.raises(AssertionError) as raised:
+            backend.plan(scenario=s)
+        assert rejection_kind(raised.value) == "invalid_padding", type(backend)
+
+
+def test_turboquant_refuses_attention_sinks_and_sliding_windows() -> None:
+    """gpt-oss-20b with turboquant_k8v4 never reaches the assert above: every layer has attention
+    sinks and half are sliding, and ``TurboQuantAttentionBackend`` supports neither, so vLLM's
+    attention-backend selection refuses the model first (``AttentionBackend.validate_configuration``)."""
+    import torch
+    from vllm.platforms.interface import DeviceCapability
+    from vllm.v1.attention.backends.turboquant_attn import TurboQuantAttentionBackend
+
+    reasons = TurboQuantAttentionBackend.validate_configuration(
+        head_size=64, dtype=torch.bfloat16, kv_cache_dtype="turboquant_k8v4", block_size=16,
+        use_mla=False, has_sink=True, use_sparse=False, use_mm_prefix=False,
+        use_per_head_quant_scales=False, device_capability=DeviceCapability(9, 0), attn_type="decoder",
+        has_sliding_window=True,
+    )  # fmt: skip
+    assert "attention sinks not supported" in reasons
+    assert "sliding window not supported" in reasons

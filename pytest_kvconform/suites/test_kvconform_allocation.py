@@ -63,7 +63,9 @@ _ROW_WIDTH = 64
 @pytest.mark.kvconform_metal
 @pytest.mark.kvconform_independent
 @pytest.mark.kvconform_rule("one_sequence")
-def test_one_sequence_pool_holds_max_model_len(kv_backend: Any, kv_scenario: Scenario) -> None:
+def test_one_sequence_pool_holds_max_model_len(
+    kv_backend: Any, kv_reference: Any, kv_scenario: Scenario
+) -> None:
     """The pool the backend's one-sequence bytes buy holds ``max_model_len`` tokens: every token's
     K and V (for MLA, its one latent) written through the slot mapping read back unchanged
     through the block table, and paged attention over them equals the dense oracle (not for MLA:
@@ -71,7 +73,7 @@ def test_one_sequence_pool_holds_max_model_len(kv_backend: Any, kv_scenario: Sce
     model = kv_scenario.model
     if model is None or model.attention is None:
         raise NotApplicable("needs a model-level scenario with attention layers")
-    one_sequence = one_sequence_bytes(kv_backend, kv_scenario)
+    one_sequence = one_sequence_bytes(kv_backend, kv_reference, kv_scenario)
     num_blocks, block = _blocks_in_one_sequence(kv_scenario, one_sequence)
     length = kv_scenario.runtime.max_model_len
     assert num_blocks * block >= length, (

@@ -217,10 +217,10 @@ def deepseek_sparse_mla(scenario: Scenario, common: dict[str, Any]) -> dict[str,
     }  # fmt: skip
 
 
-@writer("Gemma3ForCausalLM")
-def gemma3(scenario: Scenario, common: dict[str, Any]) -> dict[str, Any]:
+@writer("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+def gemma2_3(scenario: Scenario, common: dict[str, Any]) -> dict[str, Any]:
     """``layer_types`` of sliding_attention/full_attention and ``sliding_window``
-    (configuration_gemma3, ``Gemma3TextConfig``)."""
+    (configuration_gemma2, ``Gemma2Config``; configuration_gemma3, ``Gemma3TextConfig``)."""
     model = scenario.model
     assert model is not None and model.attention is not None
     if model.state is not None or set(model.layers) - {"A", "S"}:
@@ -228,7 +228,8 @@ def gemma3(scenario: Scenario, common: dict[str, Any]) -> dict[str, Any]:
             "no_config_writer", f"{model.architecture}: layers are sliding (S) or full (A) only"
         )
     return {
-        **common, **attention_fields(scenario), "model_type": "gemma3_text",
+        **common, **attention_fields(scenario),
+        "model_type": {"Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text"}[model.architecture],
         "layer_types": ["sliding_attention" if c == "S" else "full_attention" for c in model.layers],
         "sliding_window": model.attention.sliding_window or 4096,
         "query_pre_attn_scalar": model.attention.head_dim,

@@ -26,7 +26,7 @@ import pytest
 from pytest_kvconform import checks
 from pytest_kvconform.reference.releases import RELEASES, rule_set
 from pytest_kvconform.regressions import REGRESSION_SCENARIOS, golden_dirname
-from pytest_kvconform.scenario import Scenario, load_scenario
+from pytest_kvconform.scenario import Scenario, expected_value_matches, load_scenario
 from pytest_kvconform.suites.regressions.test_kvconform_history import GOLDENS as HISTORY_GOLDENS
 from pytest_kvconform.suites.regressions.test_kvconform_reported import GOLDENS as REPORTED_GOLDENS
 
@@ -64,13 +64,6 @@ def unchanged_cases() -> list[tuple[str, str, Path]]:
 UNCHANGED = unchanged_cases()
 
 
-def _matches(want: Any, got: Any) -> bool:
-    """Floats (percentages, concurrency) to 0.01, as ``checks.expectations`` compares them."""
-    if isinstance(want, float):
-        return isinstance(got, int | float) and abs(got - want) <= 0.01
-    return bool(got == want)
-
-
 @pytest.mark.kvconform_rule("plan")
 @pytest.mark.parametrize("path", REGRESSION_FILES, ids=[p.stem for p in REGRESSION_FILES])
 def test_expectations(kv_backend: Any, kv_reference: Any, path: Path) -> None:
@@ -84,7 +77,8 @@ def test_expectations(kv_backend: Any, kv_reference: Any, path: Path) -> None:
 )
 def test_golden_agrees_with_its_expect(folder: str, name: str, path: Path, release: str) -> None:
     """Every value the file states for ``release`` (``[expect]``, and ``[expect.before.<change>]``
-    for a change the release lacks) equals the value of that release's golden (floats to 0.01)."""
+    for a change the release lacks) equals the value of that release's golden (a float to the
+    places it is written in)."""
     rules = rule_set(release)
     golden_path = HERE / golden_dirname(rules) / folder / f"test_plan_golden[{name}].json"
     assert golden_path.is_file(), f"{golden_path}: no golden for case {name!r}"
@@ -92,7 +86,7 @@ def test_golden_agrees_with_its_expect(folder: str, name: str, path: Path, relea
     wrong = [
         f"{key}: [{table}] {want!r}, golden {golden.get(key, '<missing>')!r}"
         for key, (table, want) in load_scenario(path).expect_for(rules).items()
-        if not _matches(want, golden.get(key))
+        if not expected_value_matches(want, golden.get(key))
     ]
     where = f"{golden_dirname(rules)}/{golden_path.name}"
     assert not wrong, f"vLLM {release}: {where} disagrees with {path.name}: " + "; ".join(wrong)

@@ -69,7 +69,7 @@ def test_metal243_gdn_recurrent_state_is_fp32(kv_backend: Any, kv_reference: Any
     (3 x 4096 x 2 + 16 x 128 x 128 x 4) = 6 x 1,073,152 B plus 2 attention layers x 8384 x 256 B.
     """
     s = GDN_PROBE()
-    got = one_sequence_bytes(kv_backend, s)
+    got = one_sequence_bytes(kv_backend, kv_reference, s)
     assert got == 6 * (3 * 4096 * 2 + 16 * 128 * 128 * 4) + 2 * 8384 * 256  # 10,731,520
     state = next(x for x in kv_reference.layer_specs(s).values() if isinstance(x, MambaSpec))
     assert state.dtypes == ("bfloat16", "float32")
@@ -90,7 +90,7 @@ def test_metal233_529_mla_is_one_latent(kv_backend: Any, kv_reference: Any) -> N
     s = GLM47()
     spec = next(iter(kv_reference.layer_specs(s).values()))
     assert call_rule(kv_backend, "attention_page_bytes", spec, scenario=s) == 64 * 576 * 2
-    one_sequence = one_sequence_bytes(kv_backend, s)
+    one_sequence = one_sequence_bytes(kv_backend, kv_reference, s)
     assert one_sequence == 47 * 131_072 * 576 * 2
     plan = backend_plan(kv_backend, s)
     assert (plan.attn_bytes_per_token_per_layer, plan.bytes_per_block) == (1152, 47 * 64 * 1152)
@@ -171,7 +171,7 @@ def test_metal575_estimate_counts_padded_state_pages(kv_backend: Any, kv_referen
     7 x 1056 = 7392 tokens.
     """
     s = QWEN36_MLX()
-    got = one_sequence_bytes(kv_backend, s)
+    got = one_sequence_bytes(kv_backend, kv_reference, s)
     assert got == 10 * 8448 * 2048 + 30 * 2_162_688  # 237,895,680
     assert got == kv_reference.check_memory(kv_reference.layer_specs(s), scenario=s).needed_bytes
     short = s.with_runtime(kv_cache_memory_bytes=10 * 8448 * 2048 + 30 * 2_146_304)  # the wrong report

@@ -68,14 +68,14 @@ ADMISSION_TAIL = (
 
 
 @pytest.mark.kvconform_rule("one_sequence")
-def test_metal229_granite_bs400_one_sequence_is_block_aligned(kv_backend: Any) -> None:
+def test_metal229_granite_bs400_one_sequence_is_block_aligned(kv_backend: Any, kv_reference: Any) -> None:
     """vllm-metal#229: the MLX-path estimate must cover cdiv(L, bs) * bs tokens.
 
     Wrong formula: ``layers * max_model_len * bytes_per_token`` (2048 tokens, 167,772,160 B,
     "0.16 GiB"), while the scheduler reserves 2400 tokens (196,608,000 B, "0.18 GiB") at block 400.
     """
     s = GRANITE_BS400()
-    got = one_sequence_bytes(kv_backend, s)
+    got = one_sequence_bytes(kv_backend, kv_reference, s)
     assert got == GRANITE_ALIGNED
     plan = backend_plan(kv_backend, s)
     assert (plan.one_sequence_tokens, plan.one_sequence_bytes, plan.needed_bytes) == (2400, got, got)
@@ -144,7 +144,7 @@ def test_metal229_granite_default_block_16_never_shows_it(kv_backend: Any, kv_re
     """vllm-metal#229: at the default block 16, 2048 tokens are already block-aligned, so the
     aligned and the unaligned estimates agree with vLLM's need (the bug needs a large block)."""
     s = GRANITE_BS400().with_runtime(block_size=16, user_specified_block_size=False)
-    got = one_sequence_bytes(kv_backend, s)
+    got = one_sequence_bytes(kv_backend, kv_reference, s)
     plan = backend_plan(kv_backend, s)
     assert got == plan.needed_bytes == GRANITE_UNALIGNED
     assert plan.one_sequence_tokens == 2048
