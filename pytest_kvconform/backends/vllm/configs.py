@@ -233,6 +233,8 @@ def gemma2_3(scenario: Scenario, common: dict[str, Any]) -> dict[str, Any]:
         "layer_types": ["sliding_attention" if c == "S" else "full_attention" for c in model.layers],
         "sliding_window": model.attention.sliding_window or 4096,
         "query_pre_attn_scalar": model.attention.head_dim,
+        # vLLM 0.23's Gemma2ForCausalLM asserts it (every Gemma 2 ties its embeddings)
+        **({"tie_word_embeddings": True} if model.architecture == "Gemma2ForCausalLM" else {}),
     }  # fmt: skip
 
 
