@@ -77,6 +77,7 @@ PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
         ("oversized_config", r"requests \d+ blocks but the [\w ]*pool was allocated with \d+"),
         ("nothing_to_plan", r"no KV cache groups: nothing to plan"),
         ("no_attention_backend", r"Sparse Attention is not supported on CPU"),
+        ("no_attention_backend", r"No valid attention backend found for"),
         (
             "not_modelled",
             r"not modelled|a model-level scenario cannot state|need the model's \[model\.attention\]",

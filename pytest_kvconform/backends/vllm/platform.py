@@ -144,7 +144,7 @@ def neutral_platform(kernel_block_alignment: int = 16) -> type:
     """
     from vllm.platforms.interface import Platform, PlatformEnum
 
-    from .attention import base_for, qualname
+    from .attention import base_for, qualname, refuse_unserved
 
     class NeutralPlatform(Platform):
         """``Platform``'s own config hooks. Its enum is CPU only so that the layers pick kernels
@@ -182,6 +182,7 @@ def neutral_platform(kernel_block_alignment: int = 16) -> type:
             cls, selected_backend: Any, attn_selector_config: Any, num_heads: Any = None
         ) -> str:
             base = base_for(attn_selector_config.kv_cache_dtype, attn_selector_config.use_mla)
+            refuse_unserved(base, cls.kernel_block_alignment, attn_selector_config)
             return qualname(base, cls.kernel_block_alignment)
 
     NeutralPlatform.__module__ = __name__

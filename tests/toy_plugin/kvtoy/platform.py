@@ -41,6 +41,10 @@ class ToyPlatform(Platform):
         if attn_selector_config.use_mla:
             return "kvtoy.platform.ToyMLA"
         if (attn_selector_config.kv_cache_dtype or "").startswith("turboquant_"):
+            # the one backend of these dtypes: a layer it cannot serve (sinks, a window) has none
+            config = {**attn_selector_config._asdict(), "device_capability": None}
+            if reasons := ToyTurboQuant.validate_configuration(**config):
+                raise ValueError(f"No valid attention backend found for {cls.device_name}: {reasons}")
             return "kvtoy.platform.ToyTurboQuant"
         return "kvtoy.platform.ToyAttention"
 

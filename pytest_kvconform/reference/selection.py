@@ -1,0 +1,70 @@
+"""Attention-backend selection: the engine's refusal before any sizing.
+
+vLLM picks each attention layer's backend while it builds the model (``Attention.__init__`` ->
+``vllm/v1/attention/selector.py::get_attn_backend`` -> ``Platform.get_attn_backend_cls``). On a
+GPU platform (vllm/platforms/cuda.py, ``CudaPlatformBase.get_valid_backends``) each candidate's
+``AttentionBackend.validate_configuration`` (vllm/v1/attention/backend.py) lists why it cannot
+serve the layer, and a layer no candidate serves is ``ValueError("No valid attention backend found
+for cuda with <selector config>. Reasons: {...}.")``: the engine does not start.
+
+The reference models the backend a layer cannot avoid: a ``turboquant_*`` cache is served only by
+``TurboQuantAttentionBackend`` (vllm/v1/attention/backends/turboquant_attn.py; no other backend
+lists those dtypes in ``supported_kv_cache_dtypes``), which supports float16/bfloat16 models,
+decoder self-attention, no attention sinks (``supports_sink``), no sliding window
+(``supports_sliding_window``; checked from ``attention_selection_checks_sliding_window``) and no
+decode context parallelism (its impl's ``supports_dcp``; checked from
+``attention_selection_checks_dcp``). A skip layer (``--kv-cache-dtype-skip-layers``) keeps the
+model dtype and another backend. The other backends' checks (head sizes, block sizes, compute
+capability) depend on the device: not modelled.
+"""
+
+from __future__ import annotations
+
+from ..scenario import Scenario
+from .releases import LATEST, RuleSet
+
+#: layer code -> the kind of attention spec it builds
+ATTENTION_KIND = {"A": "full_attention", "P": "full_attention", "S": "sliding_window", "L": "chunked_local",
+                  "X": "cross_attention"}  # fmt: skip
+
+
+def turboquant_reasons(scenario: Scenario, index: int, code: str, release: RuleSet = LATEST) -> list[str]:
+    """What ``TurboQuantAttentionBackend.validate_configuration`` says of layer ``index`` (its
+    layer code ``code``): [] when it serves the layer or the layer is not a TurboQuant layer."""
+    from .hybrid import is_skip_layer, skip_layers  # hybrid asks this module first
+
+    model, rt = scenario.model, scenario.runtime
+    assert model is not None and model.attention is not None
+    kind = ATTENTION_KIND[code]
+    if (
+        model.use_mla  # an MLA layer's backends never list a turboquant dtype (not modelled here)
+        or not rt.kv_cache_dtype.startswith("turboquant_")
+        or is_skip_layer(index, kind, skip_layers(scenario))
+    ):
+        return []
+    reasons = []
+    if model.dtype not in ("float16", "bfloat16"):
+        reasons.append("dtype not supported")
+    if model.attention.sinks:
+        reasons.append("attention sinks not supported")
+    if kind == "cross_attention":
+        reasons.append("attention type encoder_decoder not supported")
+    if kind == "sliding_window" and release.has("attention_selection_checks_sliding_window"):
+        reasons.append("sliding window not supported")
+    if rt.decode_context_parallel_size > 1 and release.has("attention_selection_checks_dcp"):
+        reasons.append("DCP not supported")
+    return reasons
+
+
+def select_attention_backends(scenario: Scenario, release: RuleSet = LATEST) -> None:
+    """Raise the engine's ``ValueError`` for the first attention layer no backend serves."""
+    model = scenario.model
+    if model is None or model.attention is None:
+        return
+    for index, code in enumerate(model.layers):
+        if code in ATTENTION_KIND and (reasons := turboquant_reasons(scenario, index, code, release)):
+            raise ValueError(
+                f"No valid attention backend found for cuda with layer {index} ({ATTENTION_KIND[code]}, "
+                f"kv_cache_dtype={scenario.runtime.kv_cache_dtype}). "
+                f"Reasons: {{TURBOQUANT: [{', '.join(reasons)}]}}."
+            )

