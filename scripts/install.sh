@@ -9,6 +9,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${1:-.venv}
+# The installs skip byte-compiling (pip --no-compile); their import checks then write the bytecode
+# of the modules the tests import, which every later process reuses. PYTHONDONTWRITEBYTECODE (set
+# in CI images) would make each of those imports, and every test process, compile them again.
+unset PYTHONDONTWRITEBYTECODE
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 if [[ "$(uname -s)" == Darwin ]]; then
     "$VENV/bin/pip" install --quiet -e '.[metal,dev]'
