@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from pytest_kvconform.cli import main
+from pytest_kvconform.conformance import outcome
 from pytest_kvconform.reference.releases import RELEASES, rule_set
 from pytest_kvconform.reference.rules import reference_rules
 from pytest_kvconform.rejections import rejection_kind
@@ -26,13 +27,9 @@ SUITES = Path(__file__).resolve().parents[1] / "pytest_kvconform" / "suites"
 GEMMA2_SKIPPED = Path(__file__).parent / "data" / "gemma-2-9b-turboquant-sliding-skipped.toml"
 
 
-def outcome(scenario: Scenario, release: str) -> str:
-    """The reference's plan under ``release``: "plans" or the kind of refusal."""
-    try:
-        reference_rules(rule_set(release)).plan(scenario=scenario)
-    except (ValueError, NotImplementedError, AssertionError) as exc:
-        return str(rejection_kind(exc))
-    return "plans"
+def planned(scenario: Scenario, release: str) -> tuple[str, object]:
+    """The reference's plan under ``release``: ``("ok", plan)`` or ``("rejects", kind)``."""
+    return outcome(reference_rules(rule_set(release)), "plan", scenario=scenario)
 
 
 def gpt_oss_turboquant() -> Scenario:
@@ -53,7 +50,7 @@ def test_a_sliding_layer_is_refused_from_0_26(release: str, refused: bool) -> No
     """Gemma 3 1B (sliding layers of window 512, no sinks) with turboquant_k8v4: from 0.26 its
     first TurboQuant sliding layer (layer 2) has no backend; before, selection lets it through."""
     s = load_scenario("gemma-3-1b-it-rbln-cr03").with_runtime(kv_cache_dtype="turboquant_k8v4")
-    assert (outcome(s, release) == "no_attention_backend") is refused
+    assert (planned(s, release) == ("rejects", "no_attention_backend")) is refused
 
 
 @pytest.mark.parametrize(("release", "refused"), [("0.28", False), ("0.29", True)])
@@ -63,13 +60,13 @@ def test_dcp_is_refused_from_0_29(release: str, refused: bool) -> None:
     s = load_scenario("llama-3.1-8b-instruct-turboquant-k8v4").with_runtime(
         tensor_parallel_size=16, decode_context_parallel_size=2
     )
-    assert (outcome(s, release) == "no_attention_backend") is refused
+    assert (planned(s, release) == ("rejects", "no_attention_backend")) is refused
 
 
 def test_skipped_sliding_layers_pass_selection() -> None:
     """With every sliding layer in --kv-cache-dtype-skip-layers, Gemma 2's TurboQuant layers are
     full attention only: selection passes and the plan reaches unify's assert (test_vllm_known_bugs)."""
-    assert outcome(load_scenario(GEMMA2_SKIPPED), "0.33") == "invalid_padding"
+    assert planned(load_scenario(GEMMA2_SKIPPED), "0.33") == ("rejects", "invalid_padding")
 
 
 def test_kvconform_plan_prints_the_engines_refusal(capsys: pytest.CaptureFixture[str]) -> None:
@@ -133,4 +130,6 @@ def test_vllm_refuses_with_its_own_selection_checks() -> None:
         ValueError, match=r"AttentionSelectorConfig\(.*sliding window not supported"
     ) as raised:
         VllmBackend().choose_block_size(scenario=s)
-    assert rejection_kind(raised.value) == outcome(s, "0.32") == "no_attention_backend"
+    assert (
+        ("rejects", rejection_kind(raised.value)) == planned(s, "0.32") == ("rejects", "no_attention_backend")
+    )

@@ -21,9 +21,8 @@ from ..scenario import AttentionGeometry, Scenario
 from .attention import attention_bytes_per_token, attention_spec
 from .dtypes import DTYPE_SIZE, storage_dtype
 from .mamba import state_page_bytes
-from .parallel import verify_parallel
 from .releases import LATEST, SPECULATIVE_ROWS_LATE, RuleSet
-from .selection import select_attention_backends
+from .selection import refuse_before_sizing
 from .specs import cdiv
 
 #: vLLM's floor for the attention block of an MLA hybrid (``if use_mla: k = max(k, 128)``).
@@ -166,8 +165,7 @@ def hybrid_alignment(scenario: Scenario, release: RuleSet = LATEST) -> HybridAli
     if model is None or not model.is_hybrid:
         return None
     assert model.attention is not None
-    verify_parallel(scenario, release)
-    select_attention_backends(scenario, release)
+    refuse_before_sizing(scenario, release)
     spec = attention_spec(
         model.attention, kind="full_attention", block_size=1, kv_cache_dtype=rt.kv_cache_dtype,
         model_dtype=model.dtype, tensor_parallel_size=rt.tensor_parallel_size,
@@ -277,8 +275,7 @@ def block_choice(
     Before ``align_block_unbounded_by_batch`` (vLLM 0.27), ``VllmConfig.validate_block_size``
     refuses an ``align``-mode block above ``max_num_batched_tokens`` (``AssertionError``). Both
     run after the engine checked its parallel sizes and built the layers, which refuse first."""
-    verify_parallel(scenario, release)
-    select_attention_backends(scenario, release)
+    refuse_before_sizing(scenario, release)
     rt = scenario.runtime
     block, padded = (requested_block_size(scenario), None) if alignment is None else (
         alignment.block_size, alignment.state_page_padded_bytes)  # fmt: skip

@@ -15,9 +15,8 @@ from ..scenario import Scenario
 from .attention import attention_spec, indexer_spec
 from .hybrid import block_choice, is_skip_layer, skip_layers
 from .mamba import Shapes, state_spec
-from .parallel import verify_parallel
 from .releases import LATEST, RuleSet
-from .selection import ATTENTION_KIND, select_attention_backends
+from .selection import ATTENTION_KIND, refuse_before_sizing
 from .specs import AttentionSpec, KVCacheSpec, MambaSpec
 from .speculative import draft_layer_names
 
@@ -62,8 +61,7 @@ def layer_specs(
     padded page; ``choice`` defaults to :func:`~.hybrid.block_choice` of ``alignment`` and the
     state ``shapes`` to :func:`~.mamba.state_shapes`.
     """
-    verify_parallel(scenario, release)
-    select_attention_backends(scenario, release)
+    refuse_before_sizing(scenario, release)
     if scenario.is_spec_level:
         return _spec_level(scenario)
     model, rt = scenario.model, scenario.runtime

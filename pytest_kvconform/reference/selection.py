@@ -21,6 +21,7 @@ capability) depend on the device: not modelled.
 from __future__ import annotations
 
 from ..scenario import Scenario
+from .parallel import verify_parallel
 from .releases import LATEST, RuleSet
 
 #: layer code -> the kind of attention spec it builds
@@ -68,3 +69,11 @@ def select_attention_backends(scenario: Scenario, release: RuleSet = LATEST) -> 
                 f"kv_cache_dtype={scenario.runtime.kv_cache_dtype}). "
                 f"Reasons: {{TURBOQUANT: [{', '.join(reasons)}]}}."
             )
+
+
+def refuse_before_sizing(scenario: Scenario, release: RuleSet = LATEST) -> None:
+    """What the engine refuses before it sizes anything, in its order: the parallel layout
+    (``VllmConfig``'s validation, :func:`~.parallel.verify_parallel`), then the layers' attention
+    backends (model construction, :func:`select_attention_backends`)."""
+    verify_parallel(scenario, release)
+    select_attention_backends(scenario, release)

@@ -217,7 +217,15 @@ def deepseek_sparse_mla(scenario: Scenario, common: dict[str, Any]) -> dict[str,
     }  # fmt: skip
 
 
-@writer("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+#: what each Gemma text config needs besides the shared fields (vLLM 0.23's Gemma2ForCausalLM
+#: asserts tie_word_embeddings: every Gemma 2 ties its embeddings)
+GEMMA_2_3 = {
+    "Gemma2ForCausalLM": {"model_type": "gemma2", "tie_word_embeddings": True},
+    "Gemma3ForCausalLM": {"model_type": "gemma3_text"},
+}
+
+
+@writer(*GEMMA_2_3)
 def gemma2_3(scenario: Scenario, common: dict[str, Any]) -> dict[str, Any]:
     """``layer_types`` of sliding_attention/full_attention and ``sliding_window``
     (configuration_gemma2, ``Gemma2Config``; configuration_gemma3, ``Gemma3TextConfig``)."""
@@ -228,13 +236,10 @@ def gemma2_3(scenario: Scenario, common: dict[str, Any]) -> dict[str, Any]:
             "no_config_writer", f"{model.architecture}: layers are sliding (S) or full (A) only"
         )
     return {
-        **common, **attention_fields(scenario),
-        "model_type": {"Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text"}[model.architecture],
+        **common, **attention_fields(scenario), **GEMMA_2_3[model.architecture],
         "layer_types": ["sliding_attention" if c == "S" else "full_attention" for c in model.layers],
         "sliding_window": model.attention.sliding_window or 4096,
         "query_pre_attn_scalar": model.attention.head_dim,
-        # vLLM 0.23's Gemma2ForCausalLM asserts it (every Gemma 2 ties its embeddings)
-        **({"tie_word_embeddings": True} if model.architecture == "Gemma2ForCausalLM" else {}),
     }  # fmt: skip
 
 
