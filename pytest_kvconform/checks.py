@@ -251,6 +251,9 @@ def expectations(backend: Any, reference: Any, scenario: Scenario) -> None:
                 f"{scenario.source}: backend {backend.name!r}: {table}.{REJECTS}: expected {want!r}, "
                 f"got {have!r}"
             )
+            if answer[0] == "rejects":  # another refusal: the plan departs as a refused plan does
+                want, have = f"rejects: {want}", f"rejects: {have}"
+                raise Departure(message, "plan", "plan", want, have, pytrace=False)
             raise Departure(message, "plan", f"{table}.{REJECTS}", want, have, pytrace=False)
         return
     answer = call_rule(backend, "plan", scenario=scenario)

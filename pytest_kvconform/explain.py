@@ -78,10 +78,17 @@ def _unified(v: dict[str, KVCacheSpec] | None, trace: PlanTrace) -> list[str]:
     policy = trace.plan.unify_policy if trace.plan is not None else _runtime(trace).unify_policy
     specs = trace.step("layer specs")
     before = sorted({s.page_size_bytes for s in specs.value.values()}) if specs is not None else []
+    hma_off = []
+    if _runtime(trace).disable_hybrid_kv_cache_manager:
+        hma_off = ["not reached: with --disable-hybrid-kv-cache-manager the groups promote local "
+                   "layers to full attention first (unify_hybrid_kv_cache_specs)"]  # fmt: skip
     if v is None:
-        return [f"policy {policy}: pages {before}: cannot unify"]
+        return [*hma_off, f"policy {policy}: pages {before}: cannot unify"]
     after = sorted({(s.kind, s.block_size, s.page_size_bytes) for s in v.values()})
-    return [f"policy {policy}: pages {before} -> " + ", ".join(f"{k} block {b}: {p} B" for k, b, p in after)]
+    return [
+        *hma_off,
+        f"policy {policy}: pages {before} -> " + ", ".join(f"{k} block {b}: {p} B" for k, b, p in after),
+    ]
 
 
 def _groups(v: list[KVCacheGroup], trace: PlanTrace) -> list[str]:
@@ -151,6 +158,9 @@ FORMATS: dict[str, Callable[[Any, PlanTrace], list[str]]] = {
     "groups": _groups,
     "available memory": lambda v, trace: [f"{v} B for the KV cache"],
     "pool and admission": _memory,
+    "kernel block sizes": lambda v, trace: [
+        "kernel block per group: " + ", ".join(f"{k} (x{n})" for k, n in Counter(v).items())
+    ],
     "one-sequence estimate": _one_sequence,
     "kernel block": _kernel,
     "allocation": _allocation,

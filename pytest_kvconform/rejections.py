@@ -18,13 +18,15 @@ KINDS: dict[str, str] = {
     "parallel_split": "a tensor or decode-context parallel size the model's heads do not divide "
     "(ModelConfig.verify_with_parallel_config, ParallelConfig)",
     "pages_not_unifiable": "layer pages the planner cannot unify (unify_kv_cache_spec_page_size, "
-    "unify_kv_cache_specs, a KV cache layout that cannot express mixed pages)",
+    "unify_kv_cache_specs, a KV cache layout that cannot express mixed pages, layers of several "
+    "kinds with the hybrid KV cache manager disabled: unify_hybrid_kv_cache_specs)",
     "not_enough_memory": "no memory for one block, for one max-length request, or for one token "
     "when auto-fitting (_check_enough_kv_cache_memory, get_kv_cache_configs, _auto_fit_max_model_len)",
     "unsupported_kv_cache_dtype": "a kv_cache_dtype the release, the layer or the attention backend "
     "does not support (CacheConfig, the backend's supported dtypes, a pool that stores no such dtype)",
-    "unsupported_block_size": "a block size the kernel or the engine refuses (a kernel block that "
-    "does not divide it, align mode above max_num_batched_tokens before vLLM 0.27)",
+    "unsupported_block_size": "a block size the kernel or the engine refuses (no kernel block "
+    "of the attention backends divides it: select_common_block_size; align mode above "
+    "max_num_batched_tokens before vLLM 0.27)",
     "unsupported_combination": "a combination of features the engine refuses (sliding window with "
     "decode context parallelism, a prefix-match unit the groups do not align with)",
     "invalid_padding": "a padded page smaller than the page it pads "
@@ -47,6 +49,7 @@ PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
         ("pages_not_unifiable", r"page size (of the layer )?is not divisible by the maximum page size"),
         ("pages_not_unifiable", r"block scaling cannot change a Mamba page"),
         ("pages_not_unifiable", r"Failed to promote local KV cache specs to one unified type"),
+        ("pages_not_unifiable", r"Hybrid KV cache manager is disabled but failed to convert"),
         ("pages_not_unifiable", r"KV cache layout \w+ cannot express this model's mixed page sizes"),
         (
             "parallel_split",
@@ -72,6 +75,7 @@ PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
             r"unsupported dtype '\w+'; expected one of float16, bfloat16, float32",
         ),
         ("unsupported_block_size", r"is not divisible by any supported kernel block size"),
+        ("unsupported_block_size", r"No common block size for \d+"),
         ("unsupported_block_size", r"block_size \(\d+\) must be <= max_num_batched_tokens"),
         ("invalid_padding", r"padded-spec per-token page \(\d+B\) < primary"),
         ("oversized_config", r"requests \d+ blocks but the [\w ]*pool was allocated with \d+"),

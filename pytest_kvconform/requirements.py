@@ -75,6 +75,10 @@ def _tensor_parallel(s: Scenario) -> bool:
     return s.runtime.tensor_parallel_size > 1
 
 
+def _pipeline_parallel(s: Scenario) -> bool:
+    return s.runtime.pipeline_parallel_size > 1
+
+
 def _speculative(s: Scenario) -> bool:
     return s.runtime.num_speculative_tokens > 0
 
@@ -105,6 +109,7 @@ QUANTIZED_KV = InputKind(
     "quantized_kv", "a kv_cache_dtype other than the model's (fp8, int8, packed formats)", _quantized_kv
 )
 TENSOR_PARALLEL = InputKind("tensor_parallel", "tensor_parallel_size > 1", _tensor_parallel)
+PIPELINE_PARALLEL = InputKind("pipeline_parallel", "pipeline_parallel_size > 1", _pipeline_parallel)
 SPECULATIVE = InputKind("speculative", "speculative decoding (num_speculative_tokens > 0)", _speculative)
 REGISTERED_KV_CACHE_DTYPE = InputKind(
     "registered_kv_cache_dtype", "a kv_cache_dtype a platform registers (register_kv_cache_dtype)",
@@ -127,6 +132,7 @@ INPUT_KINDS: dict[str, InputKind] = {
         NO_PAGED_ATTENTION,
         QUANTIZED_KV,
         TENSOR_PARALLEL,
+        PIPELINE_PARALLEL,
         SPECULATIVE,
         REGISTERED_KV_CACHE_DTYPE,
         POLICY_NOT_PAD_TO_MAX,

@@ -204,6 +204,8 @@ class RuntimeSettings:
     #: derives, the model's ``max_position_embeddings``
     auto_fit_max_model_len: bool = False
     tensor_parallel_size: int = 1
+    #: ``--pipeline-parallel-size``: the layers split over stages (``get_pp_indices``), one worker each
+    pipeline_parallel_size: int = 1
     block_size: int = 16
     user_specified_block_size: bool = False
     kernel_block_alignment: int = 16
@@ -226,6 +228,9 @@ class RuntimeSettings:
     max_num_batched_tokens: int = 2048
     max_concurrent_batches: int = 1
     unify_policy: str = "pad-to-max"
+    #: ``--disable-hybrid-kv-cache-manager`` (``SchedulerConfig.disable_hybrid_kv_cache_manager``):
+    #: local-attention layers are planned as full attention (``unify_hybrid_kv_cache_specs``)
+    disable_hybrid_kv_cache_manager: bool = False
     #: ``--max-num-seqs`` (``SchedulerConfig.max_num_seqs``); None: the engine's default
     max_num_seqs: int | None = None
     #: ``--additional-config`` (``VllmConfig.additional_config``, read by a platform plugin), as
@@ -396,6 +401,11 @@ def scenario_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Scena
                 "-1 (auto-fit) needs [model] max_position_embeddings (the length vLLM derives)",
             )  # fmt: skip
         runtime = dataclasses.replace(runtime, max_model_len=model.max_position_embeddings)
+    if runtime.pipeline_parallel_size > 1 and model is None:
+        raise ScenarioError(
+            source, "runtime.pipeline_parallel_size",
+            "above 1 needs a [model]: pipeline stages take the model's layers by their index",
+        )  # fmt: skip
     expect = dict(r.table("expect", required=False).data)
     external = expect.pop("external", {})
     if not isinstance(external, Mapping):
@@ -406,8 +416,10 @@ def scenario_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Scena
                 source, f"expect.external.{key}", "unknown key; expected a KVPlan field name or source"
             )
     before = _read_expect_before(expect.pop("before", {}), expect, source)
+    if REJECTS in expect:
+        _check_rejects(expect, "expect", source)
     for key in expect:
-        if key not in KVPlan.field_names():
+        if key not in (*KVPlan.field_names(), REJECTS):
             raise ScenarioError(source, f"expect.{key}", "unknown key; expected a KVPlan field name")
     return Scenario(
         name=name, runtime=runtime, model=model, layer_specs=specs,
@@ -415,8 +427,22 @@ def scenario_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Scena
     )  # fmt: skip
 
 
-#: The ``[expect.before.<change>]`` key that says the releases lacking the change reject the plan.
+#: The ``[expect]`` (or ``[expect.before.<change>]``) key that says the plan is rejected, and of
+#: which kind (``rejections.KINDS``): by every release (or by the releases lacking the change).
 REJECTS = "rejects"
+
+
+def _check_rejects(values: Mapping[str, Any], where: str, source: str) -> None:
+    """``rejects`` stands alone in its table and names a kind of refusal."""
+    from .rejections import KINDS
+
+    if len(values) > 1:
+        raise ScenarioError(source, f"{where}.{REJECTS}", "expected alone: a rejected plan has no fields")
+    if values[REJECTS] not in KINDS:
+        raise ScenarioError(
+            source, f"{where}.{REJECTS}",
+            f"expected a kind of refusal, one of {', '.join(KINDS)}; got {values[REJECTS]!r}",
+        )  # fmt: skip
 
 
 def _read_expect_before(before: Any, expect: Mapping[str, Any], source: str) -> dict[str, dict[str, Any]]:
@@ -425,7 +451,6 @@ def _read_expect_before(before: Any, expect: Mapping[str, Any], source: str) -> 
     ``rejects`` alone: the kind of refusal those releases reject the plan with
     (``pytest_kvconform.rejections.KINDS``)."""
     from .reference.releases import CHANGES  # stdlib only; imported late (reference imports us)
-    from .rejections import KINDS
 
     if not isinstance(before, Mapping):
         raise ScenarioError(source, "expect.before", "expected a table of [expect.before.<change>] tables")
@@ -438,15 +463,7 @@ def _read_expect_before(before: Any, expect: Mapping[str, Any], source: str) -> 
         if not isinstance(values, Mapping) or not values:
             raise ScenarioError(source, where, "expected a non-empty table of KVPlan fields")
         if REJECTS in values:
-            if len(values) > 1:
-                raise ScenarioError(
-                    source, f"{where}.{REJECTS}", "expected alone: a rejected plan has no fields"
-                )
-            if values[REJECTS] not in KINDS:
-                raise ScenarioError(
-                    source, f"{where}.{REJECTS}", f"expected a kind of refusal, one of {', '.join(KINDS)}; "
-                    f"got {values[REJECTS]!r}"
-                )  # fmt: skip
+            _check_rejects(values, where, source)
             out[change] = dict(values)
             continue
         for key in values:
@@ -622,13 +639,14 @@ def _read_state(r: _Reader) -> StateGeometry:
 
 
 def _read_runtime(r: _Reader, source: str) -> RuntimeSettings:
-    ints = ("max_model_len", "tensor_parallel_size", "block_size", "kernel_block_alignment",
-            "extra_block_alignment", "kv_cache_memory_bytes", "max_num_batched_tokens",
-            "max_concurrent_batches", "decode_context_parallel_size")  # fmt: skip
+    ints = ("max_model_len", "tensor_parallel_size", "pipeline_parallel_size", "block_size",
+            "kernel_block_alignment", "extra_block_alignment", "kv_cache_memory_bytes",
+            "max_num_batched_tokens", "max_concurrent_batches", "decode_context_parallel_size")  # fmt: skip
     strs = _RUNTIME_CHOICES
     r.done(allowed={*ints, *strs, "num_speculative_tokens", "num_gpu_blocks_override",
                     "user_specified_block_size", "registered_kv_cache_dtypes", "max_num_seqs",
-                    "additional_config", "env", "kv_cache_dtype_skip_layers"})  # fmt: skip
+                    "additional_config", "env", "kv_cache_dtype_skip_layers",
+                    "disable_hybrid_kv_cache_manager"})  # fmt: skip
     registered = r.table("registered_kv_cache_dtypes", required=False)
     env = r.table("env", required=False)
     defaults = RuntimeSettings()
@@ -656,6 +674,7 @@ def _read_runtime(r: _Reader, source: str) -> RuntimeSettings:
             "kv_cache_dtype_skip_layers", f'expected a list of strings (e.g. ["0", "31"]), got {skip!r}'
         )
     values["kv_cache_dtype_skip_layers"] = tuple(skip)
+    values["disable_hybrid_kv_cache_manager"] = r.bool("disable_hybrid_kv_cache_manager", False)
     values["unset"] = tuple(k for k in DEFAULTED if k not in r.data)
     # Writing block_size is passing --block-size, unless the file says otherwise.
     values["user_specified_block_size"] = r.bool("user_specified_block_size", "block_size" in r.data)
@@ -700,7 +719,11 @@ def _check_runtime(rt: RuntimeSettings, source: str) -> None:
                     source, "runtime.kv_cache_dtype_skip_layers",
                     f'expected layer indices ("0") or "sliding_window", got {got}',
                 )  # fmt: skip
-        elif f.name in ("user_specified_block_size", "auto_fit_max_model_len"):
+        elif f.name in (
+            "user_specified_block_size",
+            "auto_fit_max_model_len",
+            "disable_hybrid_kv_cache_manager",
+        ):
             if not isinstance(v, bool):
                 raise ScenarioError(source, f"runtime.{f.name}", f"expected true or false, got {v!r}")
         elif v is not None or f.name not in ("num_gpu_blocks_override", "max_num_seqs"):

@@ -130,6 +130,37 @@ class NoFullAllocationFallback(ReferenceBackend):
             return super().plan(scenario)
 
 
+class KernelServesAnyBlock(ReferenceBackend):
+    """The runner's kernel block check (prepare_kernel_block_sizes) skipped: every block served."""
+    name = "kernel-serves-any-block"
+    def kernel_block_sizes(self, groups, scenario):
+        return [g.block_size for g in groups]
+
+
+class HybridManagerAlwaysOn(Broken):
+    """--disable-hybrid-kv-cache-manager ignored: sliding layers keep their window, state layers plan."""
+    name = "hybrid-manager-always-on"
+    def changed(self, s):
+        return s.with_runtime(disable_hybrid_kv_cache_manager=False)
+
+
+class IgnoresPipeline(Broken):
+    """--pipeline-parallel-size ignored: one worker holds every layer."""
+    name = "ignores-pipeline"
+    def changed(self, s):
+        return s.with_runtime(pipeline_parallel_size=1)
+
+
+class FirstStageOnly(ReferenceBackend):
+    """The pool sized by the first pipeline stage's worker, not the smallest over the workers."""
+    name = "first-stage-only"
+    def plan(self, scenario):
+        from pytest_kvconform.reference import parallel
+        stages = parallel.pipeline_stages
+        with mock.patch("pytest_kvconform.reference.rules.pipeline_stages", lambda n, s: stages(n, s)[:1]):
+            return super().plan(scenario)
+
+
 class MlaRopeNotBilled(ReferenceBackend):
     """The one-sequence estimate of an MLA model bills kv_lora_rank values per token, not the
     kv_lora_rank + qk_rope_head_dim of the latent (512 of 576)."""
@@ -191,6 +222,10 @@ class PlanNotProvided(ReferenceBackend):
         ("Fp8AsModelDtype", {"deepseek-v3-fp8"}),
         ("NoHeterogeneousAlignment", {"llama-3.1-8b-instruct-turboquant-k8v4"}),
         ("NoBoundaryLayers", {"llama-3.1-8b-instruct-turboquant-k8v4"}),
+        ("KernelServesAnyBlock", {"llama-3.1-8b-instruct-fp8-block-8"}),
+        ("HybridManagerAlwaysOn", {"gemma-4-31b-it-hma-disabled", "granite-4.0-h-tiny-hma-disabled"}),
+        ("IgnoresPipeline", {"deepseek-v3-fp8-pp4", "qwen3-next-80b-a3b-pp2"}),
+        ("FirstStageOnly", {"deepseek-v3-fp8-pp4"}),  # stage 0 holds 15 layers, stage 2 16
     ],
 )
 def test_a_broken_rule_fails_a_packaged_expectation(
@@ -304,7 +339,7 @@ def test_the_plan_benchmark_skips_only_declared_failures(
     pytester.syspathinsert()
     result = pytester.runpytest(
         PLAN_BENCH, f"--kvconform-backend=broken:{backend}", "--benchmark-only", "-rA",
-        "-p", "no:cacheprovider", "-k", "granite-4.0-h-tiny and not tp4",
+        "-p", "no:cacheprovider", "-k", "granite-4.0-h-tiny and not tp4 and not hma-disabled",
     )  # fmt: skip
     ran = {k: v for k, v in result.parseoutcomes().items() if k in ("passed", "failed", "skipped", "errors")}
     assert ran == {outcome.lower(): 1}, result.stdout.str()

@@ -203,10 +203,23 @@ def test_explain_shows_each_step_with_its_numbers_and_vllm_function(
         "9 groups mamba", "1 group full_attention", "bytes per block = largest group's pages: 3276800 B",
         "num_blocks = 8589934592 B // 3276800 B = 2621",
         "_check_enough_kv_cache_memory", "admission: ok",
+        # prepare_kernel_block_sizes: a Mamba group keeps its block (max_model_len, mamba_cache_mode
+        # none); the attention group's 400 is a multiple of 16, served as is
+        "[vllm/v1/worker/utils.py::prepare_kernel_block_sizes (select_common_block_size)]",
+        "kernel block per group: 32768 (x9), 400 (x1)",
         "32800 tokens (cdiv(32768, 400) x 400)",  # vllm-metal PR #229
         "logical block 400 -> kernel block 16 (25 kernel blocks per block)",  # 400 = 25 x 16; not 32 x n
     ]:  # fmt: skip
         assert fragment in out, fragment
+
+
+def test_explain_formats_every_step() -> None:
+    """Each step of a composed plan has its lines in ``kvconform explain`` (a new step without
+    them was a KeyError)."""
+    from pytest_kvconform.explain import FORMATS
+    from pytest_kvconform.reference.plan import STEPS
+
+    assert set(FORMATS) == set(STEPS)
 
 
 def test_explain_cites_the_release_module(capsys: pytest.CaptureFixture[str]) -> None:

@@ -112,9 +112,29 @@ NOT_IN_A_PLAN = {"kv_cache_dtype_bytes", "build_block_tables", "allocate_kv_cach
                  "engine", "rerun_hooks", "kernel_block_alignment"}  # fmt: skip
 
 
+#: rule methods of a plan step whose answer no plan field shows: only a refusal moves the plan
+REFUSALS_ONLY = {"kernel_block_sizes"}
+
+
 def test_every_rule_method_is_covered() -> None:
     methods = {m for family in RULE_FAMILIES.values() for m in family} - {"plan"}
-    assert methods == set(OVERRIDES) | NOT_IN_A_PLAN
+    assert methods == set(OVERRIDES) | NOT_IN_A_PLAN | REFUSALS_ONLY
+
+
+def test_a_kernel_block_refusal_rejects_the_plan() -> None:
+    """A backend whose runner serves no kernel block for the attention group (here: a kernel of
+    multiples of 32 under Granite's block 400, 400 = 12.5 x 32) has no plan; its trace records
+    the refusal at that step."""
+
+    class Kernel32(ReferenceBackend):
+        def kernel_block_sizes(self, groups: Any, scenario: Any) -> list[int]:
+            return ReferenceBackend.kernel_block_sizes(
+                self, groups, scenario.with_runtime(kernel_block_alignment=32)
+            )
+
+    scenario = load_scenario(GRANITE)
+    with pytest.raises(ValueError, match="No common block size for 400"):
+        Kernel32().plan(scenario)
 
 
 @pytest.mark.parametrize("method", list(OVERRIDES))

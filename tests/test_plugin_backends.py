@@ -20,6 +20,8 @@ TOY = Path(__file__).parent / "toy_plugin"
 SUITES = Path(__file__).resolve().parents[1] / "pytest_kvconform" / "suites"
 RULES, ALLOCATION = str(SUITES / "test_kvconform_rules.py"), str(SUITES / "test_kvconform_allocation.py")
 SCENARIOS = [load_scenario(name) for name in packaged_scenario_names()]
+#: the scenarios every release plans (an engine refusal in [expect] has no pool to allocate)
+PLANNED = [s for s in SCENARIOS if "rejects" not in s.expect]
 
 
 @pytest.fixture
@@ -43,10 +45,16 @@ def test_the_toy_backends_are_found_by_entry_point(toy: pytest.Pytester) -> None
     assert {"toy", "toy-mla-kv", "toy-no-guard", "toy-broken-kernel"} <= set(available_backends())
 
 
-def test_own_layer_specs_are_compared_layer_by_layer(toy: pytest.Pytester) -> None:
+def test_own_layer_specs_are_compared_layer_by_layer(
+    toy: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Item 1: a spec bug in the plugin's own get_kv_cache_spec fails layer_specs and the plan
-    that composes it, naming the layer and the field; every other family passes."""
-    result, rules = run(toy, RULES, "--kvconform-backend=toy-mla-kv", "-k", "glm or granite")
+    that composes it, naming the layer and the field; every other family passes. In a
+    subprocess: after another in-process run, a departure raised here may be of a stale copy of
+    its class and count as a crash."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TOY), os.environ.get("PYTHONPATH")])))
+    selected = "glm or (granite and not hma-disabled)"
+    result, rules = run(toy, RULES, "--kvconform-backend=toy-mla-kv", "-k", selected, subprocess=True)
     failed = {rule for rule, counts in rules.items() if counts["departed"] or counts["crashed"]}
     assert failed == {"layer_specs", "plan"}
     assert rules["layer_specs"]["departed"] == 2  # GLM-4.7-Flash and GLM-5 are MLA; Granite is not
@@ -89,7 +97,8 @@ def test_an_unexpected_exception_fails_every_plan_naming_the_rule(toy: pytest.Py
     """Item 4: a kernel that cannot load is a failure of the kernel_block rule wherever it is asked."""
     result, rules = run(toy, RULES, "--kvconform-backend=toy-broken-kernel", "-k", "plan")
     mla = sum(s.model is not None and s.model.use_mla for s in SCENARIOS)  # never asked: declined
-    assert (rules["plan"]["crashed"], rules["plan"]["declined"]) == (len(SCENARIOS) - mla, mla)
+    refused = len(SCENARIOS) - len(PLANNED)  # the engine refuses them before the kernel block
+    assert (rules["plan"]["crashed"], rules["plan"]["declined"]) == (len(PLANNED) - mla, mla + refused)
     result.stdout.fnmatch_lines([
         "*[[]kernel_block[]] backend 'toy-broken-kernel'.kernel_block_size raised on scenario*"
         "RuntimeError: cannot load libtoy_paged_attention.so*",
@@ -119,12 +128,12 @@ def test_allocation_family(toy: pytest.Pytester) -> None:
     _, rules = run(toy, ALLOCATION, "--kvconform-backend=toy", "-k", "pool_holds or larger_than")
     assert rules["allocation"] == {
         **rules["allocation"],
-        "agreed": 2 * len(SCENARIOS),
+        "agreed": 2 * len(PLANNED),
         "departed": 0,
         "crashed": 0,
     }
     result, rules = run(toy, ALLOCATION, "--kvconform-backend=toy-no-guard", "-k", "larger_than")
-    assert rules["allocation"]["departed"] == len(SCENARIOS)
+    assert rules["allocation"]["departed"] == len(PLANNED)
     result.stdout.fnmatch_lines(
         ["*check_kv_cache_config(4 of 3 blocks): reference 'rejects: oversized_config', backend 'accepts'"]
     )
@@ -145,7 +154,7 @@ def test_a_plugin_platform_is_driven_through_the_vllm_backend(
         platform_suite,
         "--kvconform-backend=toy-vllm-repads",
         "-k",
-        "granite-4.0-h-tiny and not tp4",
+        "granite-4.0-h-tiny and not tp4 and not hma-disabled",
         subprocess=True,
     )
     assert (rules["platform"]["departed"], rules["platform"]["agreed"]) == (1, 3)

@@ -51,6 +51,7 @@ from pytest_kvconform.reference.metal import (
 )
 from pytest_kvconform.reference.specs import AttentionSpec, MambaSpec
 from pytest_kvconform.reference.unify import unify_page_sizes
+from pytest_kvconform.rejections import rejection_kind
 from pytest_kvconform.scenario import (
     KV_CACHE_DTYPES,
     AttentionGeometry,
@@ -1127,6 +1128,11 @@ PLAN_FIELDS = set(KVPlan.field_names())
 def test_packaged_expect_reproduced(name):
     s = load_scenario(name)
     assert s.expect, f"{name} has no [expect] table"
+    if "rejects" in s.expect:  # every release refuses it
+        with pytest.raises(ValueError) as refused:
+            plan(s)
+        assert rejection_kind(refused.value) == s.expect["rejects"]
+        return
     got = plan(s).to_dict()
     for key, want in s.expect.items():
         assert key in got, f"{name}: [expect] key {key!r} is not a KVPlan field"

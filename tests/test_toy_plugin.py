@@ -112,7 +112,7 @@ def test_the_worker_is_handed_the_engine_config_without_the_pools_override(
         # fp8 attention priced at the model's two bytes (vLLM stores fp8 as uint8): 65,536 B pages, not 32,768
         (
             {"worker": "kvtoy.worker:Fp8AtModelDtypeWorker"},
-            "test_layer_specs and llama-3.1-8b-instruct-fp8",
+            "test_layer_specs and llama-3.1-8b-instruct-fp8 and not block-8",
             "test_layer_specs[llama-3.1-8b-instruct-fp8]",
             "departed",
             "*[[]layer_specs[]] * layer 0 (attention): dtype: reference 'uint8', backend 'bfloat16'*",
@@ -120,7 +120,7 @@ def test_the_worker_is_handed_the_engine_config_without_the_pools_override(
         # the engine's budget is not the budget: 0.92 of a device with twice the budget free
         (
             {"worker": "kvtoy.worker:SizesFromTheDeviceWorker"},
-            "test_available_memory and llama-3.1-8b-instruct-fp8",
+            "test_available_memory and llama-3.1-8b-instruct-fp8 and not block-8",
             "test_available_memory[llama-3.1-8b-instruct-fp8]",
             "departed",
             "*[[]memory[]] * available bytes (device 17,179,869,184 B free): reference 8589934592, "

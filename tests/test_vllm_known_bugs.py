@@ -13,6 +13,7 @@ skips when vLLM is absent.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import re
 from collections import Counter
@@ -344,3 +345,25 @@ def test_turboquant_refuses_attention_sinks_and_sliding_windows() -> None:
     )  # fmt: skip
     assert "attention sinks not supported" in reasons
     assert "sliding window not supported" in reasons
+
+
+def test_cpu_platform_keeps_a_block_size_its_attention_backend_refuses() -> None:
+    """vLLM 0.29+ on the CPU: ``CPUAttentionBackend.get_supported_kernel_block_sizes`` is
+    ``[MultipleOf(32)]`` (vllm/v1/attention/backends/cpu_attn.py; 0.23 ... 0.28: 16), and
+    ``CpuPlatform.check_and_update_config`` (vllm/platforms/cpu.py) only warns "CPU backend prefers
+    block_size is multiples of 32" and keeps ``--block-size 16``; the runner's
+    ``prepare_kernel_block_sizes`` then refuses it at ``initialize_kv_cache``. Shown with vLLM's own
+    platform hooks and ``select_common_block_size`` on vLLM's own backend class (docs/findings.md)."""
+    from pytest_kvconform.backends.vllm import VllmBackend
+    from pytest_kvconform.model import KVCacheGroup
+
+    backend = VllmBackend(platform="vllm.platforms.cpu:CpuPlatform", cpu_features="avx512_bf16")
+    qwen = load_scenario("qwen2.5-3b-instruct-tp4")  # attention only, --block-size 16
+    assert qwen.runtime.user_specified_block_size and qwen.runtime.block_size == 16
+    assert backend.choose_block_size(scenario=qwen).block_size == 16  # the platform keeps it
+    assert backend.kernel_block_alignment(scenario=qwen) == 32
+    group = KVCacheGroup("full_attention", 16, 0, ("model.layers.0.self_attn.attn",), 0, 0)
+    with pytest.raises(ValueError, match=r"No common block size for 16 \(CPU_ATTN: \[MultipleOf\(32\)\]\)"):
+        backend.kernel_block_sizes([group], scenario=qwen)
+    served = dataclasses.replace(group, block_size=32)
+    assert backend.kernel_block_sizes([served], scenario=qwen) == [32]

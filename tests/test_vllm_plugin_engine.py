@@ -42,7 +42,9 @@ def test_the_workers_own_specs_and_pool_are_checked(toy: pytest.Pytester) -> Non
     """Granite-4.0-H-Tiny (36 Mamba-2 + 4 attention layers, block 400): the toy worker's specs
     agree layer by layer, and its pool of 3 blocks holds 3 x 4 pages x 819,200 B = 9,830,400 B
     (one attention and one padded state page per slot of the 4-layer groups)."""
-    selected = "(layer_specs or test_plan or planned_blocks) and granite-4.0-h-tiny and not tp4"
+    selected = (
+        "(layer_specs or test_plan or planned_blocks) and granite-4.0-h-tiny and not (tp4 or hma-disabled)"
+    )
     result, report = _run(toy, RULES, ALLOCATION, "--kvconform-backend=toy-worker", "-k", selected)
     rules = report["rules"]
     assert result.ret == 0, result.stdout.str()[-3000:]
@@ -54,8 +56,8 @@ def test_the_workers_own_specs_and_pool_are_checked(toy: pytest.Pytester) -> Non
 
 
 def test_a_worker_billing_state_layers_as_attention_fails(toy: pytest.Pytester) -> None:
-    result, report = _run(toy, RULES, "--kvconform-backend=toy-state-as-attention", "-k",
-                          "(layer_specs or test_plan) and granite-4.0-h-tiny and not tp4")  # fmt: skip
+    selected = "(layer_specs or test_plan) and granite-4.0-h-tiny and not (tp4 or hma-disabled)"
+    result, report = _run(toy, RULES, "--kvconform-backend=toy-state-as-attention", "-k", selected)
     rules = report["rules"]
     assert rules["layer_specs"]["departed"] == 1 and rules["plan"]["departed"] == 1
     assert report["totals"]["departed"] == 2 and sum(report["totals"].values()) == 2  # no crash
@@ -72,7 +74,7 @@ def test_a_pool_per_aliased_tensor_fails_the_allocation(toy: pytest.Pytester) ->
     """vLLM 0.32's ten group tensors of Granite alias one allocation: a buffer per tensor holds
     10 x the 3 blocks' 9,830,400 B."""
     result, report = _run(toy, ALLOCATION, "--kvconform-backend=toy-pool-per-tensor", "-k",
-                          "planned_blocks and granite-4.0-h-tiny and not tp4")  # fmt: skip
+                          "planned_blocks and granite-4.0-h-tiny and not (tp4 or hma-disabled)")  # fmt: skip
     from pytest_kvconform.backends.vllm.runtime import installed_vllm_version  # metadata only
 
     if tuple(map(int, installed_vllm_version().split(".")[:2])) < (0, 32):

@@ -21,7 +21,7 @@ from ..requirements import Declines, KnownDeparture
 RULE_FAMILIES: dict[str, tuple[str, ...]] = {
     "dtype": ("kv_cache_dtype_bytes",),
     "hybrid_alignment": ("align_hybrid_block_size",),
-    "block_size": ("choose_block_size", "kernel_block_alignment"),
+    "block_size": ("choose_block_size", "kernel_block_alignment", "kernel_block_sizes"),
     "state_page": ("state_shapes", "state_page_bytes"),
     "layer_specs": ("layer_specs",),
     "attention_page": ("attention_page_bytes",),

@@ -29,6 +29,7 @@ from ..reference.specs import AttentionSpec, KVCacheSpec, MambaSpec
 from ..reference.speculative import num_draft_layers, speculative_method
 from ..requirements import (
     NO_PAGED_ATTENTION,
+    PIPELINE_PARALLEL,
     QUANTIZED_KV,
     SPEC_LEVEL,
     TENSOR_PARALLEL,
@@ -131,6 +132,9 @@ class MetalBackend(ReferenceBackend):
         ("allocation", TENSOR_PARALLEL): "the Metal runtime serves one device: it holds every head, "
         "not a tensor-parallel shard",
         ("allocation", NO_PAGED_ATTENTION): "no paged attention layers: the Metal pool is empty",
+        ("allocation", PIPELINE_PARALLEL): "the Metal runtime serves one device: its pool holds every "
+        "layer, not one pipeline stage's",
+        ("memory", PIPELINE_PARALLEL): "vllm-metal serves one device: no pipeline stages to plan",
     })  # fmt: skip
     #: What vllm-metal does not compute itself: the reference's code answers, reported as inherited.
     inherits: ClassVar[Mapping[str, str]] = dict.fromkeys(

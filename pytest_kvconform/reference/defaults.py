@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from ..rejections import Rejected
 from ..scenario import Scenario
 from .releases import RuleSet
 from .speculative import speculative_method
@@ -55,6 +56,10 @@ def max_concurrent_batches(scenario: Scenario, release: RuleSet) -> tuple[int, s
     is on by default, 1 when the speculative method turns it off; and why."""
     if scenario.model is None:
         return 1, "spec-level: no model for the engine's defaults; the format's value"
+    if scenario.runtime.pipeline_parallel_size > 1:  # pp_size, or pp_size + 1 on the V2 runner's async path
+        raise Rejected(
+            "not_modelled", "max_concurrent_batches of a pipeline-parallel engine is not modelled: state it"
+        )
     method = speculative_method(scenario)
     off = {
         "ngram": not release.has("async_scheduling_ngram_v2_runner"),

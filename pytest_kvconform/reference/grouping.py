@@ -2,7 +2,8 @@
 
 Mirrors ``get_kv_cache_groups`` (v1/core/kv_cache_planning.py in vLLM 0.33.0,
 v1/core/kv_cache_utils.py before), ``UniformTypeKVCacheSpecs`` (v1/kv_cache_interface.py),
-``_get_kv_cache_groups_uniform_page_size`` and, from 0.27, the full-allocation fallback
+``_get_kv_cache_groups_uniform_page_size``, ``unify_hybrid_kv_cache_specs`` (the hybrid KV cache
+manager disabled) and, from 0.27, the full-allocation fallback
 (``_try_get_full_allocation_fallback_groups``, ``_promote_local_kv_cache_specs``), for
 layer-outer layouts (the default).
 
@@ -14,7 +15,8 @@ Followed by construction, with no bytes of their own for any spec the reference 
   differ only in ``sliding_window``, ``attention_chunk_size`` and ``non_causal``;
   ``MLAAttentionSpec.merge`` requires its extra fields to be unique; every other class merges
   equal specs only. A full-attention spec with a window or chunk exists only after
-  ``unify_hybrid_kv_cache_specs`` (the hybrid KV cache manager disabled, not modelled) and
+  ``unify_hybrid_kv_cache_specs`` (the hybrid KV cache manager disabled, whose promoted specs the
+  reference builds without the window, the same bytes) and
   ``non_causal`` only on prefix-LM layers (no modelled field): the reference's specs merge
   exactly when they are equal, which is how it buckets them.
 * Rounding each page to its block-stride alignment (``_get_layer_block_stride``,
@@ -37,6 +39,7 @@ from functools import cached_property
 
 from ..model import KVCacheGroup
 from ..scenario import RuntimeSettings
+from .releases import RuleSet
 from .specs import AttentionSpec, KVCacheSpec, cdiv
 from .unify import unify_page_sizes
 
@@ -112,18 +115,22 @@ def _uniform_type(values: Sequence[KVCacheSpec]) -> bool:
 _LOCAL_KINDS, _FULL_KINDS = ("sliding_window", "chunked_local"), ("full_attention", "mla")
 
 
-def promote_local_specs(specs: dict[str, KVCacheSpec]) -> dict[str, KVCacheSpec] | None:
+def promote_local_specs(
+    specs: dict[str, KVCacheSpec], *, at_full_block: bool = True
+) -> dict[str, KVCacheSpec] | None:
     """``_promote_local_kv_cache_specs`` (vLLM 0.27+): with full (or MLA) attention present, every
     sliding-window and chunked-local spec becomes a full-attention spec (all tokens kept,
     ``extra_retained_tokens`` dropped) at the full layers' block size when they share one, else
     its own; a padded page becomes ``max(padded, unpadded page at the new block)``. ``None`` where
-    vLLM raises ``ValueError`` (the result is neither uniform nor of uniform type)."""
+    vLLM raises ``ValueError`` (the result is neither uniform nor of uniform type).
+    ``at_full_block=False``: ``unify_hybrid_kv_cache_specs`` before 0.27, every spec at its own
+    block, its padded page kept."""
     values = tuple(specs.values())
     if len(set(values)) == 1 or _uniform_type(values):
         return dict(specs)
     attn = [s for s in values if isinstance(s, AttentionSpec)]
     full_blocks = {s.block_size for s in attn if s.kind in _FULL_KINDS}
-    full_block = next(iter(full_blocks)) if len(full_blocks) == 1 else None
+    full_block = next(iter(full_blocks)) if len(full_blocks) == 1 and at_full_block else None
     promoted = dict(specs)
     if full_blocks and any(s.kind in _LOCAL_KINDS for s in attn):
         for name, spec in specs.items():
@@ -139,6 +146,23 @@ def promote_local_specs(specs: dict[str, KVCacheSpec]) -> dict[str, KVCacheSpec]
             )  # fmt: skip
     values = tuple(promoted.values())
     return promoted if len(set(values)) == 1 or _uniform_type(values) else None
+
+
+def unify_hybrid_kv_cache_specs(specs: dict[str, KVCacheSpec], release: RuleSet) -> dict[str, KVCacheSpec]:
+    """``unify_hybrid_kv_cache_specs`` (``--disable-hybrid-kv-cache-manager``; ``get_kv_cache_groups``
+    runs it first): local-attention layers planned as full attention (:func:`promote_local_specs`),
+    so that every layer keeps all ``max_model_len`` tokens in one group. Layers that still differ
+    in kind (state layers beside attention) are the engine's ``ValueError``. vLLM 0.31+ promotes
+    replicated attention layers (``dcp_sharded=False``, no modelled spec) apart from the rest."""
+    at_full_block = release.has("hma_disabled_promotes_at_full_block")
+    promoted = promote_local_specs(specs, at_full_block=at_full_block)
+    if promoted is None:
+        raise ValueError(
+            "Failed to promote local KV cache specs to one unified type." if at_full_block else
+            "Hybrid KV cache manager is disabled but failed to convert the KV cache specs to one "
+            "unified type."
+        )  # fmt: skip
+    return promoted
 
 
 def full_allocation_fallback(specs: dict[str, KVCacheSpec]) -> list[GroupSpec] | None:

@@ -1,6 +1,8 @@
-"""The parallel settings vLLM refuses before it sizes anything.
+"""The parallel settings vLLM refuses before it sizes anything, and the layers of each
+pipeline stage.
 
-Mirrors ``ParallelConfig`` validation (vllm/config/parallel.py: ``tp % dcp``) and
+Mirrors ``get_pp_indices`` (vllm/distributed/utils.py, the same in 0.23 ... 0.33),
+``ParallelConfig`` validation (vllm/config/parallel.py: ``tp % dcp``) and
 ``ModelConfig.verify_with_parallel_config`` (vllm/config/model.py: query heads divisible by
 TP; decode context parallelism for GQA/MQA needs TP above the KV heads, at most
 ``tp // kv_heads`` DCP ranks, and query heads per KV head divisible by DCP), vLLM 0.32/0.33;
@@ -9,8 +11,43 @@ the texts (and, for the DCP checks, the exception) of older releases where they 
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable
+
 from ..scenario import Scenario
 from .releases import LATEST, RuleSet
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+
+
+def pp_layer_range(num_hidden_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
+    """``get_pp_indices`` without ``VLLM_PP_LAYER_PARTITION``: ``num_hidden_layers // pp_size``
+    layers per stage, the remainder one each to the stages before the last, from the last but
+    one backwards. Returns ``[start, end)``."""
+    partitions = [num_hidden_layers // pp_size] * pp_size
+    for i in range(2, num_hidden_layers % pp_size + 2):
+        partitions[-i] += 1
+    start = sum(partitions[:pp_rank])
+    return start, start + partitions[pp_rank]
+
+
+def pipeline_stages(names: Iterable[str], scenario: Scenario) -> list[frozenset[str]]:
+    """The layer names each pipeline stage's worker reports (``get_kv_cache_spec`` of a model
+    built with ``make_layers``, which builds layers ``get_pp_indices`` gives the rank): a decoder
+    layer by its index; the speculative drafter's layers (an index past ``num_hidden_layers``,
+    or no index) on the last stage, which runs the drafter."""
+    model, pp = scenario.model, scenario.runtime.pipeline_parallel_size
+    names = list(names)
+    if pp == 1 or model is None:
+        return [frozenset(names)]
+    ranges = [pp_layer_range(model.num_hidden_layers, rank, pp) for rank in range(pp)]
+    stages: list[set[str]] = [set() for _ in range(pp)]
+    for name in names:
+        found = _LAYER_INDEX.search(name)
+        index = int(found.group(1)) if found else model.num_hidden_layers
+        stage = next((r for r, (lo, hi) in enumerate(ranges) if lo <= index < hi), pp - 1)
+        stages[stage].add(name)
+    return [frozenset(s) for s in stages]
 
 
 def verify_parallel(scenario: Scenario, release: RuleSet = LATEST) -> None:

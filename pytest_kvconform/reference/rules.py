@@ -21,11 +21,13 @@ from collections.abc import Callable, Sequence
 from typing import ClassVar, TypeVar
 
 from ..model import BlockChoice, HybridAlignment, KVCacheGroup, KVPlan, MemoryCheck, PoolAllocation
+from ..rejections import Rejected
 from ..scenario import Scenario
-from . import defaults, dtypes, hybrid, memory, metal
-from .grouping import get_kv_cache_groups
+from . import defaults, dtypes, hybrid, memory, metal, selection
+from .grouping import get_kv_cache_groups, unify_hybrid_kv_cache_specs
 from .layers import layer_specs
 from .mamba import Shapes, state_shapes
+from .parallel import pipeline_stages
 from .plan import PlanTrace, compose_plan
 from .releases import LATEST, RuleSet
 from .specs import AttentionSpec, KVCacheSpec, MambaSpec, cdiv
@@ -119,6 +121,14 @@ class ReferenceRules:
             lambda: hybrid.block_choice(scenario, alignment, self.release),
         )  # fmt: skip
 
+    def kernel_block_sizes(self, groups: Sequence[KVCacheGroup], scenario: Scenario) -> list[int]:
+        """Each group's kernel block, or the engine's refusal of the block
+        (:func:`~.selection.kernel_block_sizes`) at :meth:`kernel_block_alignment`. A spec-level
+        scenario names no attention backend: its blocks are taken as served."""
+        if scenario.is_spec_level:
+            return [g.block_size for g in groups]
+        return selection.kernel_block_sizes(groups, self.kernel_block_alignment(scenario))
+
     # -- state_page
     def state_shapes(self, scenario: Scenario) -> Shapes:
         model, rt = scenario.model, scenario.runtime
@@ -166,6 +176,8 @@ class ReferenceRules:
     def _groups(self, specs: dict[str, KVCacheSpec], scenario: Scenario) -> list[KVCacheGroup]:
         # get_kv_cache_configs tags sliding-window specs with the speculative retained tokens first
         tagged = with_retained_tokens(specs, scenario, self.release)
+        if scenario.runtime.disable_hybrid_kv_cache_manager:  # get_kv_cache_groups does this first
+            tagged = unify_hybrid_kv_cache_specs(tagged, self.release)
         groups = get_kv_cache_groups(
             tagged, unify=lambda s: self.unify_page_sizes(s, scenario=scenario),
             fallback=self.release.has("full_allocation_fallback"),
@@ -184,17 +196,34 @@ class ReferenceRules:
         return scenario.runtime.kv_cache_memory_bytes
 
     def check_memory(self, specs: dict[str, KVCacheSpec], scenario: Scenario) -> MemoryCheck:
-        """``get_kv_cache_configs`` for one worker, up to its admission check: the budget
+        """``get_kv_cache_configs`` up to its admission check, for each worker: the budget
         (``kv_cache_memory_bytes``, or the override's blocks), the null block taken from it where
         the release does (0.29+: ``null_block_reserved``; :func:`.memory.admission_budget`), then
-        ``_check_enough_kv_cache_memory`` on those bytes, whose estimate is this object's
-        :meth:`estimate_max_model_len` asked for the very same bytes."""
-        return memory.check_memory(
-            self._needed_bytes(specs, scenario), scenario.runtime,
-            lambda available: self.estimate_max_model_len(specs, available, scenario=scenario),
-            reserve_null_block=self.release.has("null_block_reserved"),
-            kv_cache_memory_text=self.release.has("auto_fit_kv_cache_memory_text"),
-        )  # fmt: skip
+        ``_check_enough_kv_cache_memory`` on those bytes, whose estimate is asked for the very
+        same bytes. With pipeline parallelism each stage's worker holds its own layers of every
+        group (``_project_kv_cache_groups_to_worker``) and is checked in stage order; the first
+        refusal is the engine's, else the stage with the fewest blocks sets everyone's
+        ``num_blocks`` (its check is returned)."""
+        stages = pipeline_stages(specs, scenario)
+        rt = scenario.runtime
+        if len(stages) > 1 and rt.auto_fit_max_model_len:
+            raise Rejected("not_modelled", "auto-fit of max_model_len over pipeline stages is not modelled")
+        checks = []
+        for stage in stages:
+            need = self._needed_bytes(specs, scenario, stage if len(stages) > 1 else None)
+
+            def estimate(available: int, need: memory.NeededBytes = need) -> int:
+                if len(stages) == 1:  # this object's rule, which a backend may override
+                    return self.estimate_max_model_len(specs, available, scenario=scenario)
+                return memory.estimate_max_model_len(need, rt, available)
+
+            checks.append(memory.check_memory(
+                need, rt, estimate,
+                reserve_null_block=self.release.has("null_block_reserved"),
+                kv_cache_memory_text=self.release.has("auto_fit_kv_cache_memory_text"),
+            ))  # fmt: skip
+        refused = next((c for c in checks if c.admission != "ok"), None)
+        return refused or min(checks, key=lambda c: c.num_blocks)
 
     def estimate_max_model_len(
         self, specs: dict[str, KVCacheSpec], available: int, scenario: Scenario
@@ -205,12 +234,24 @@ class ReferenceRules:
         a budget the null block was already taken from, where the release takes it."""
         return memory.estimate_max_model_len(self._needed_bytes(specs, scenario), scenario.runtime, available)
 
-    def _needed_bytes(self, specs: dict[str, KVCacheSpec], scenario: Scenario) -> memory.NeededBytes:
-        """``bytes_per_block`` and ``length -> bytes needed`` from this object's own groups."""
+    def _needed_bytes(
+        self, specs: dict[str, KVCacheSpec], scenario: Scenario, stage: frozenset[str] | None = None
+    ) -> memory.NeededBytes:
+        """``bytes_per_block`` and ``length -> bytes needed`` from this object's own groups, for
+        the worker holding the layers of ``stage`` (all of them: None): the largest group's
+        pages of those layers; a request needs blocks of every group, held there or not."""
         groups = self.kv_cache_groups(specs, scenario=scenario)
         if not groups:
             raise ValueError("no KV cache groups: nothing to plan")
-        per_block = max(g.bytes_per_block for g in groups)
+
+        def held(g: KVCacheGroup) -> int:
+            if stage is None:
+                return g.bytes_per_block
+            if g.kind == "uniform_type":  # its layers' own pages
+                return sum(specs[n].page_size_bytes for n in g.layer_names if n in stage)
+            return g.bytes_per_block // len(g.layer_names) * sum(n in stage for n in g.layer_names)
+
+        per_block = max(held(g) for g in groups)
 
         def needed(length: int) -> int:
             at = groups if length == scenario.runtime.max_model_len else (

@@ -16,10 +16,17 @@ decode context parallelism (its impl's ``supports_dcp``; checked from
 ``attention_selection_checks_dcp``). A skip layer (``--kv-cache-dtype-skip-layers``) keeps the
 model dtype and another backend. The other backends' checks (head sizes, block sizes, compute
 capability) depend on the device: not modelled.
+
+After the pool is planned, the runner picks each group's kernel block
+(:func:`kernel_block_sizes`): the engine's refusal of a ``--block-size`` its attention backends do
+not serve.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from ..model import KVCacheGroup
 from ..scenario import Scenario
 from .parallel import verify_parallel
 from .releases import LATEST, RuleSet
@@ -77,3 +84,23 @@ def refuse_before_sizing(scenario: Scenario, release: RuleSet = LATEST) -> None:
     backends (model construction, :func:`select_attention_backends`)."""
     verify_parallel(scenario, release)
     select_attention_backends(scenario, release)
+
+
+def kernel_block_sizes(groups: Sequence[KVCacheGroup], alignment: int) -> list[int]:
+    """Each group's kernel block, as ``GPUModelRunner.initialize_kv_cache`` picks it
+    (``prepare_kernel_block_sizes`` in vllm/v1/worker/utils.py, the same rule in 0.23 ... 0.33): a
+    state group keeps its block; an attention group's block must be served by its backends,
+    ``MultipleOf(alignment)`` here (``select_common_block_size``: the block itself when every
+    backend accepts it, else the largest fixed size of one that divides it, which
+    ``MultipleOf`` backends have none of). Else the engine does not start:
+    ``ValueError("No common block size for ...")``. A hybrid's attention block is aligned
+    before (``Platform._align_hybrid_block_size``); a ``--block-size`` of an attention-only
+    model is taken as given, so an unaligned one is refused here."""
+    kernels = []
+    for group in groups:
+        if group.kind != "mamba" and group.block_size % alignment:
+            raise ValueError(
+                f"No common block size for {group.block_size} (attention backend: [MultipleOf({alignment})])."
+            )
+        kernels.append(group.block_size)
+    return kernels

@@ -9,7 +9,9 @@ default; a plugin's own through ``VllmBackend(platform=...)``). On each packaged
   ``check_and_update_config`` rescaled Granite-4.0-H-small's padded Mamba page from 2,162,688 B
   to 2,621,440 B);
 * the block size it settles on is one every attention backend of the model supports
-  (``AttentionBackend.supports_block_size``, vllm/v1/attention/backend.py);
+  (``AttentionBackend.supports_block_size``, vllm/v1/attention/backend.py), unless it is the
+  user's ``--block-size`` left as given, which the engine refuses later (the plan's kernel block
+  sizes step);
 * a padded state page equals the attention page (``_align_hybrid_block_size`` pads the Mamba
   page to exactly the attention page; unification has nothing left to pad).
 """
@@ -43,6 +45,11 @@ def test_config_hook_is_idempotent(kv_backend: Any, kv_scenario: Scenario, hook:
 def test_block_size_is_supported_by_every_attention_backend(kv_backend: Any, kv_scenario: Scenario) -> None:
     engine = call_rule(kv_backend, "engine", scenario=kv_scenario)
     block = engine.config.cache_config.block_size
+    rt = kv_scenario.runtime
+    if rt.user_specified_block_size and block == rt.block_size:
+        raise NotApplicable(
+            "the user's --block-size, as given: the runner serves or refuses it (kernel block sizes)"
+        )
     rejecting = [b.get_name() for b in engine.backends if not b.supports_block_size(block)]
     if rejecting:
         _fail(kv_backend, kv_scenario, "cache_config.block_size", "a block every attention backend supports",

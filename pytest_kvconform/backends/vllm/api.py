@@ -43,12 +43,41 @@ def groups(config: Any, specs: Mapping[str, Any]) -> list[Any]:
 
 
 def kv_cache_config(config: Any, specs: Mapping[str, Any], available: int) -> Any:
-    """``get_kv_cache_configs`` for one worker: with the global groups it takes in 0.33; before,
-    it groups the layers itself."""
+    """``get_kv_cache_configs`` for one worker (:func:`kv_cache_configs`)."""
+    return kv_cache_configs(config, [specs], available)[0]
+
+
+def kv_cache_configs(config: Any, worker_specs: list[Mapping[str, Any]], available: int) -> list[Any]:
+    """``get_kv_cache_configs`` for workers holding ``worker_specs`` (one per pipeline stage),
+    each with ``available`` bytes: with the global groups it takes in 0.33
+    (``get_global_kv_cache_groups`` over every worker's specs); before, it groups them itself."""
     fn = vllm_runtime().fn("get_kv_cache_configs")
+    workers, memory = [dict(s) for s in worker_specs], [available] * len(worker_specs)
     if _planned_with_builder():
-        return fn(config, [dict(specs)], [available], groups(config, specs))[0]
-    return fn(config, [dict(specs)], [available])[0]
+        merged = {name: spec for specs in workers for name, spec in specs.items()}
+        return list(fn(config, workers, memory, groups(config, merged)))
+    return list(fn(config, workers, memory))
+
+
+def pipeline_stages(config: Any, specs: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The specs each pipeline stage's worker reports: a decoder layer on the stage
+    ``get_pp_indices`` (vllm/distributed/utils.py) gives its index (``extract_layer_index``,
+    vllm/model_executor/models/utils.py); a drafter's layer (an index past the target's layers)
+    on the last stage, whose runner builds the drafter (``GPUModelRunner.__init__``)."""
+    from vllm.distributed.utils import get_pp_indices
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    pp = config.parallel_config.pipeline_parallel_size
+    if pp == 1:
+        return [dict(specs)]
+    n = config.model_config.get_total_num_hidden_layers()
+    ranges = [get_pp_indices(n, rank, pp) for rank in range(pp)]
+    stages: list[dict[str, Any]] = [{} for _ in range(pp)]
+    for name, spec in specs.items():
+        index = extract_layer_index(name)
+        stage = next((r for r, (lo, hi) in enumerate(ranges) if lo <= index < hi), pp - 1)
+        stages[stage][name] = spec
+    return stages
 
 
 def max_memory_usage_bytes(config: Any, kv_cache_groups: list[Any]) -> int:

@@ -26,7 +26,7 @@ from ...reference.mamba import Shapes
 from ...reference.releases import rule_set
 from ...reference.specs import AttentionSpec, KVCacheSpec, MambaSpec
 from ...reference.speculative import speculative_method
-from ...requirements import POLICY_NOT_PAD_TO_MAX, Declines, InputKind, KnownDeparture
+from ...requirements import PIPELINE_PARALLEL, POLICY_NOT_PAD_TO_MAX, Declines, InputKind, KnownDeparture
 from ...scenario import RuntimeSettings, Scenario
 from ..base import ReferenceBackend
 from . import hybrid, layers, planning
@@ -136,6 +136,8 @@ class VllmBackend(ReferenceBackend):
         "holds against that config is test_pool_holds_exactly_the_planned_blocks (vllm-metal #527's guard "
         "is vllm-metal's own)",
         ("*", POLICY_NOT_PAD_TO_MAX): f"vLLM implements only the {VLLM_UNIFY_POLICY!r} page unification",
+        ("allocation", PIPELINE_PARALLEL): "the worker here is built with every layer of the model; a "
+        "pipeline stage's worker holds only its stage's layers (its KVCacheConfig is planned, not allocated)",
     })  # fmt: skip
     unify_policy: ClassVar[str | None] = VLLM_UNIFY_POLICY
     #: vLLM's own known bugs, pinned by tests/test_vllm_known_bugs.py. The KimiLinear probe runs
@@ -389,7 +391,8 @@ class VllmBackend(ReferenceBackend):
         ``specs`` are the worker's (:class:`EngineLayerSpecs`), else converted ones. Call in a scope."""
         if isinstance(specs, EngineLayerSpecs):
             return specs.engine.config, specs.engine.specs
-        return planning.neutral_inputs(specs, self._runtime(scenario))
+        layers = scenario.model.num_hidden_layers if scenario.model is not None else 0
+        return planning.neutral_inputs(specs, self._runtime(scenario), layers)
 
     # -- dtype
     def kv_cache_dtype_bytes(
@@ -409,6 +412,23 @@ class VllmBackend(ReferenceBackend):
     def choose_block_size(self, scenario: Scenario) -> BlockChoice:
         """The cache config after ``<platform>.update_block_size_for_backend``."""
         return self.engine(scenario).choice
+
+    def kernel_block_sizes(self, groups: Sequence[KVCacheGroup], scenario: Scenario) -> list[int]:
+        """Each group's kernel block as ``prepare_kernel_block_sizes`` (vllm/v1/worker/utils.py)
+        picks it: vLLM's ``select_common_block_size`` of an attention group's block over the
+        platform's attention backends; a state group keeps its block. A spec-level scenario has
+        no backends: the reference's answer."""
+        if scenario.is_spec_level:
+            return super().kernel_block_sizes(groups, scenario=scenario)
+        from vllm.v1.worker.utils import select_common_block_size
+
+        engine = self.engine(scenario)
+        backends = list(engine.backends)
+        with self._scope(scenario), _current_config(engine.config):
+            return [
+                g.block_size if g.kind == "mamba" else int(select_common_block_size(g.block_size, backends))
+                for g in groups
+            ]
 
     # -- state_page
     def state_shapes(self, scenario: Scenario) -> Shapes:

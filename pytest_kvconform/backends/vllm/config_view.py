@@ -31,10 +31,15 @@ class ModelConfigStandIn:
     #: ``max_model_len = -1``: ``original_max_model_len`` is -1 and ``get_kv_cache_configs``
     #: auto-fits (``max_model_len`` holds the derived length until then)
     auto_fit: bool = False
+    #: the model's decoder layers, which pipeline stages split (``get_pp_indices``)
+    num_hidden_layers: int = 0
 
     @property
     def original_max_model_len(self) -> int:
         return -1 if self.auto_fit else self.max_model_len
+
+    def get_total_num_hidden_layers(self) -> int:
+        return self.num_hidden_layers
 
 
 class VllmConfigView:
@@ -80,6 +85,7 @@ def base_config(rt: RuntimeSettings) -> Any:
     scheduler = SchedulerConfig(
         max_model_len=rt.max_model_len, is_encoder_decoder=False,
         max_num_batched_tokens=rt.max_num_batched_tokens,
+        **({"disable_hybrid_kv_cache_manager": True} if rt.disable_hybrid_kv_cache_manager else {}),
     )  # fmt: skip
     return config_without_model(
         cache_config=cache, scheduler_config=scheduler, parallel_config=parallel_config(rt)
@@ -87,17 +93,27 @@ def base_config(rt: RuntimeSettings) -> Any:
 
 
 def parallel_config(rt: RuntimeSettings) -> Any:
-    """``ParallelConfig`` of the runtime's tensor and decode-context parallel sizes."""
+    """``ParallelConfig`` of the runtime's tensor, pipeline and decode-context parallel sizes."""
     from vllm.config import ParallelConfig
 
     tp, dcp = rt.tensor_parallel_size, rt.decode_context_parallel_size
-    return ParallelConfig(tensor_parallel_size=tp, decode_context_parallel_size=dcp)
+    return ParallelConfig(
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=rt.pipeline_parallel_size,
+        decode_context_parallel_size=dcp,
+    )
 
 
-def spec_level_config(rt: RuntimeSettings) -> VllmConfigView:
-    """The config the spec-level functions hand to vLLM for ``rt``."""
+def spec_level_config(rt: RuntimeSettings, num_hidden_layers: int = 0) -> VllmConfigView:
+    """The config the spec-level functions hand to vLLM for ``rt`` (and a model of
+    ``num_hidden_layers`` decoder layers, for pipeline stages)."""
+    model = ModelConfigStandIn(
+        max_model_len=rt.max_model_len,
+        auto_fit=rt.auto_fit_max_model_len,
+        num_hidden_layers=num_hidden_layers,
+    )
     return VllmConfigView(
         base_config(rt),
-        ModelConfigStandIn(max_model_len=rt.max_model_len, auto_fit=rt.auto_fit_max_model_len),
+        model,
         max_concurrent_batches=rt.max_concurrent_batches,
     )  # fmt: skip

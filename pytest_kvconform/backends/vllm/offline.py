@@ -145,11 +145,13 @@ def vllm_config(scenario: Scenario, platform: type) -> Any:
             f"max_model_len = -1: vLLM derives {model_config.max_model_len} from the generated config, "
             f"not the scenario's max_position_embeddings {rt.max_model_len}",
         )
-    if rt.max_concurrent_batches not in (1, 2):
+    pp = rt.pipeline_parallel_size
+    if rt.max_concurrent_batches not in ((1, 2) if pp == 1 else (pp,)):
         raise UnsupportedByVllmError(
             "offline_config",
-            f"max_concurrent_batches={rt.max_concurrent_batches}: vLLM derives it from async scheduling "
-            "(2) or pipeline parallelism, which the offline config does not model",
+            f"max_concurrent_batches={rt.max_concurrent_batches} at pipeline parallel size {pp}: vLLM "
+            "derives it from async scheduling (2) or the pipeline (its size; the V1 model runner of a "
+            "CPU build schedules a pipeline synchronously), which the offline config cannot give",
         )
     register_kv_cache_dtypes(rt.registered_kv_cache_dtypes)
     if rt.kv_cache_dtype == "ultraquant_4bit":  # also when every attention layer is a skip layer:
@@ -175,12 +177,18 @@ def vllm_config(scenario: Scenario, platform: type) -> Any:
     # the boundary layers EngineArgs.create_engine_config adds to --kv-cache-dtype-skip-layers
     stated = rt.kv_cache_dtype_skip_layers
     cache.kv_cache_dtype_skip_layers = skip_layers(stated, rt.kv_cache_dtype, model_config)
+    # max_concurrent_batches: 2 with async scheduling (a pipeline: its size, synchronous);
+    # unset: VllmConfig's default decides
+    async_scheduling = (
+        None if "max_concurrent_batches" in rt.unset else (pp, rt.max_concurrent_batches) == (1, 2)
+    )
     scheduler = SchedulerConfig(
         max_model_len=rt.max_model_len, is_encoder_decoder=False,
         max_num_batched_tokens=rt.max_num_batched_tokens,
-        # max_concurrent_batches: 2 with async scheduling; unset: VllmConfig's default decides
-        async_scheduling=None if "max_concurrent_batches" in rt.unset else rt.max_concurrent_batches == 2,
+        async_scheduling=async_scheduling,
         **({"max_num_seqs": rt.max_num_seqs} if rt.max_num_seqs is not None else {}),
+        # --disable-hybrid-kv-cache-manager; not stated: VllmConfig decides (the platform's support)
+        **({"disable_hybrid_kv_cache_manager": True} if rt.disable_hybrid_kv_cache_manager else {}),
     )  # fmt: skip
     parallel = parallel_config(rt)
     with _assertions_unwrapped():

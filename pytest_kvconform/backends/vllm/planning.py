@@ -33,9 +33,12 @@ from .runtime import vllm_runtime
 from .specs import from_vllm_spec, spec_kind, to_vllm_spec
 
 
-def neutral_inputs(specs: Mapping[str, KVCacheSpec], rt: RuntimeSettings) -> tuple[Any, dict[str, Any]]:
-    """The spec-level config for ``rt`` and ``specs`` as vLLM spec objects."""
-    return spec_level_config(rt), {name: to_vllm_spec(s) for name, s in specs.items()}
+def neutral_inputs(
+    specs: Mapping[str, KVCacheSpec], rt: RuntimeSettings, num_hidden_layers: int = 0
+) -> tuple[Any, dict[str, Any]]:
+    """The spec-level config for ``rt`` (a model of ``num_hidden_layers``) and ``specs`` as vLLM
+    spec objects."""
+    return spec_level_config(rt, num_hidden_layers), {name: to_vllm_spec(s) for name, s in specs.items()}
 
 
 def unify_page_sizes(specs: Mapping[str, KVCacheSpec]) -> dict[str, KVCacheSpec]:
@@ -80,6 +83,12 @@ class _AdmissionSeen:
     """What ``_check_enough_kv_cache_memory`` was called with, and what it said."""
 
     calls: list[tuple[int, int, int, str]] = field(default_factory=list)  # available, needed, estimate, text
+
+    def pick(self, worker: int) -> None:
+        """Keep the one call the engine reports of several workers' (in worker order): the first
+        refusal, else ``worker``'s."""
+        refused = [c for c in self.calls if c[3] != "ok"]
+        self.calls = refused[:1] or [self.calls[worker]]
 
 
 @contextlib.contextmanager
@@ -163,25 +172,36 @@ def _watch_auto_fit() -> Iterator[_AutoFitSeen]:
 
 
 def check_memory(config: Any, vllm_specs: Mapping[str, Any], available_memory: int) -> MemoryCheck:
-    """``get_kv_cache_configs`` for one worker with ``available_memory`` bytes, as vLLM plans it:
-    the bytes per block (``_pool_bytes_per_block``), and from its own admission check the bytes
-    it sees, the bytes needed, the estimate and the text (``"ok"`` or the exact ``ValueError``
-    message); ``num_blocks`` and the max concurrency of the ``KVCacheConfig`` it returns."""
+    """``get_kv_cache_configs`` as vLLM plans it, each worker with ``available_memory`` bytes (one
+    per pipeline stage, holding that stage's layers: ``api.pipeline_stages``): the bytes per
+    block (``_pool_bytes_per_block``), and from its own admission check the bytes it sees, the
+    bytes needed, the estimate and the text (``"ok"`` or the exact ``ValueError`` message);
+    ``num_blocks`` and the max concurrency of the ``KVCacheConfig`` it returns. Of several
+    workers: the first the admission check refuses, else the one whose pool bytes per block
+    set everyone's ``num_blocks`` (the largest)."""
     api = vllm_runtime().planning
     groups = _groups(config, vllm_specs)
     if not groups:
         raise ValueError("no KV cache groups: nothing to plan (an attention-free model)")
+    workers = api.pipeline_stages(config, vllm_specs)
     bpb = api.pool_bytes_per_block(config, groups)
     no_block = False
     derived = config.model_config.max_model_len  # auto-fit changes it: restored below
     try:
         with _watch_admission() as seen, _watch_auto_fit() as fit:
             try:
-                kv_config = api.kv_cache_config(config, vllm_specs, available_memory)
+                kv_configs = api.kv_cache_configs(config, workers, available_memory)
+                binding = 0
+                if len(workers) > 1:  # the worker whose bytes per block set everyone's num_blocks
+                    pools = [api.pool_bytes_per_block(config, c.kv_cache_groups) for c in kv_configs]
+                    binding, bpb = pools.index(max(pools)), max(pools)
+                    seen.pick(binding)
+                kv_config = kv_configs[binding]
             except ValueError as exc:  # vLLM refuses: no memory for one block beyond the null block
                 if rejection_kind(exc) != "not_enough_memory":
                     raise
                 kv_config = None
+                seen.pick(0)
             except ZeroDivisionError:
                 # Before 0.29 (no null block reserved) a pool of less than one block passes the
                 # "No available memory" test and plans 0 blocks; get_kv_cache_configs then fails
