@@ -283,6 +283,7 @@ class Scenario:
         changes["unset"] = tuple(k for k in self.runtime.unset if k not in changes)  # now stated
         runtime = dataclasses.replace(self.runtime, **changes)
         _check_runtime(runtime, self.source)
+        _check_pipeline(runtime, self.model, self.source)
         return dataclasses.replace(self, runtime=runtime, expect={}, expect_external={}, expect_before={})
 
     def expect_for(self, release: Any) -> dict[str, tuple[str, Any]]:
@@ -401,11 +402,7 @@ def scenario_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Scena
                 "-1 (auto-fit) needs [model] max_position_embeddings (the length vLLM derives)",
             )  # fmt: skip
         runtime = dataclasses.replace(runtime, max_model_len=model.max_position_embeddings)
-    if runtime.pipeline_parallel_size > 1 and model is None:
-        raise ScenarioError(
-            source, "runtime.pipeline_parallel_size",
-            "above 1 needs a [model]: pipeline stages take the model's layers by their index",
-        )  # fmt: skip
+    _check_pipeline(runtime, model, source)
     expect = dict(r.table("expect", required=False).data)
     external = expect.pop("external", {})
     if not isinstance(external, Mapping):
@@ -686,6 +683,15 @@ def _read_runtime(r: _Reader, source: str) -> RuntimeSettings:
     runtime = RuntimeSettings(**values)
     _check_runtime(runtime, source)
     return runtime
+
+
+def _check_pipeline(rt: RuntimeSettings, model: ModelGeometry | None, source: str) -> None:
+    """Pipeline stages take the model's layers by their index: a spec-level scenario has none."""
+    if rt.pipeline_parallel_size > 1 and model is None:
+        raise ScenarioError(
+            source, "runtime.pipeline_parallel_size",
+            "above 1 needs a [model]: pipeline stages take the model's layers by their index",
+        )  # fmt: skip
 
 
 def _check_runtime(rt: RuntimeSettings, source: str) -> None:

@@ -576,6 +576,23 @@ def test_spec_level_valid(tmp_path):
     assert s.runtime.unify_policy == "lcm"
 
 
+def test_pipeline_stages_need_a_model(tmp_path):
+    """A stage takes the model's layers by their index: a spec-level file has none, read from the
+    file or set by ``kvconform plan --set``; a model-level one takes it."""
+    data = mutate(SPEC_LEVEL, "runtime", {**SPEC_LEVEL["runtime"], "pipeline_parallel_size": 2})
+    with pytest.raises(ScenarioError) as exc:
+        scenario_from_dict(data, "spec.toml")
+    assert exc.value.key == "runtime.pipeline_parallel_size" and "needs a [model]" in exc.value.problem
+    with pytest.raises(ScenarioError, match="needs a \\[model\\]"):
+        scenario_from_dict(SPEC_LEVEL, "spec.toml").with_runtime(pipeline_parallel_size=2)
+    assert (
+        scenario_from_dict(BASE, "base.toml")
+        .with_runtime(pipeline_parallel_size=2)
+        .runtime.pipeline_parallel_size
+        == 2
+    )
+
+
 def test_spec_level_optional_fields(tmp_path):
     data = mutate(SPEC_LEVEL, "layer_specs", [
         {"kind": "sliding_window", "head_size": 64, "sliding_window": 128, "head_size_v": 0,
