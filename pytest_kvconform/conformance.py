@@ -20,6 +20,7 @@ from . import provenance
 from .backends.base import METHOD_FAMILY, RULE_FAMILIES
 from .errors import RuleError
 from .gaps import OfflineGap
+from .reference.parallel import DRAFTER_PREFIX, LAYER_INDEX
 from .reference.releases import LATEST, rule_set
 from .reference.rules import reference_rules
 from .reference.specs import MambaSpec
@@ -228,17 +229,14 @@ def plan_view(plan: Any) -> dict[str, Any]:
     return d
 
 
-_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
-
-
 def layer_key(name: str, spec: Any) -> tuple[int | str, str]:
     """``(layer index, role)`` of a layer name, so ``model.layers.3.self_attn.attn`` (vLLM's
     module prefix) and ``model.layers.3.self_attn`` (the reference's) are the same layer; the
     role is ``attention``, ``indexer`` or ``state``. A name without ``layers.N`` is its own key;
     ``mtp.layers.N`` (an MTP drafter numbering its layers from 0) is ``"mtp.N"``."""
-    match = _LAYER_INDEX.search(name)
+    match = LAYER_INDEX.search(name)
     index: int | str = int(match.group(1)) if match else name
-    if match and name.startswith("mtp."):  # an MTP drafter's own numbering (qwen3_next_mtp.py)
+    if match and name.startswith(DRAFTER_PREFIX):  # an MTP drafter's own numbering (qwen3_next_mtp.py)
         index = f"mtp.{index}"
     if isinstance(spec, MambaSpec):
         return index, "state"

@@ -140,3 +140,20 @@ def test_an_unregistered_dtype_is_a_scenario_error() -> None:
 def test_a_registered_dtype_needs_a_known_torch_dtype() -> None:
     with pytest.raises(ScenarioError, match=r"runtime\.registered_kv_cache_dtypes\.metal_q8: expected one"):
         registered(torch_dtype="int3")
+
+
+def test_an_mtp_drafter_numbering_its_layers_from_0_sits_on_the_last_stage() -> None:
+    """Qwen3-Next's MTP layer is ``mtp.layers.0`` (one MTP module, qwen3_next_mtp.py): the last
+    stage's runner builds the drafter, so its worker reports it, not the first stage's (whose
+    layer 0 shares the index). 48 layers over 2 stages: 0-23 and 24-47."""
+    from pytest_kvconform.reference.parallel import pipeline_stages
+    from pytest_kvconform.scenario import load_scenario
+
+    s = load_scenario("qwen3-next-80b-a3b-mtp2-tp4").with_runtime(pipeline_parallel_size=2)
+    specs = layer_specs(s)
+    first, last = pipeline_stages(specs, s)
+    drafter = {name for name in specs if name.startswith("mtp.")}
+    assert drafter == {"mtp.layers.0.self_attn"}
+    assert drafter <= last and not drafter & first
+    assert "model.layers.3.self_attn" in first and "model.layers.47.self_attn" in last
+    assert len(first) + len(last) == len(specs)

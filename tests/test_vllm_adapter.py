@@ -256,3 +256,22 @@ def test_packed_pages_round_trip(va: Any, spec: AttentionSpec, fmt: str) -> None
     vllm_spec = va.specs.to_vllm_spec(spec)
     assert int(vllm_spec.page_size_bytes) == spec.page_size_bytes, fmt
     assert va.specs.from_vllm_spec(vllm_spec, spec) == spec, fmt
+
+
+def test_pipeline_stages_put_the_mtp_drafter_on_the_last_stage(va: Any) -> None:
+    """vLLM's ``get_pp_indices`` splits 4 layers over 2 stages as 0-1 and 2-3; an MTP drafter's
+    own ``mtp.layers.0`` is the last stage's (its runner builds the drafter), not layer 0's
+    stage; DeepSeek's ``model.layers.4`` (past the target's 4) is the last stage's too."""
+    from types import SimpleNamespace
+
+    from pytest_kvconform.backends.vllm import api
+
+    config = SimpleNamespace(
+        parallel_config=SimpleNamespace(pipeline_parallel_size=2),
+        model_config=SimpleNamespace(get_total_num_hidden_layers=lambda: 4),
+    )
+    names = ["model.layers.0.self_attn.attn", "model.layers.3.self_attn.attn",
+             "model.layers.4.self_attn.attn", "mtp.layers.0.self_attn.attn"]  # fmt: skip
+    first, last = api.pipeline_stages(config, dict.fromkeys(names))
+    assert list(first) == ["model.layers.0.self_attn.attn"]
+    assert list(last) == names[1:]

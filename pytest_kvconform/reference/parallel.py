@@ -17,7 +17,10 @@ from collections.abc import Iterable
 from ..scenario import Scenario
 from .releases import LATEST, RuleSet
 
-_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+#: ``layers.N`` in a module prefix: the decoder layer's index (``model.layers.3.self_attn``)
+LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+#: an MTP drafter that numbers its own layers from 0 (``mtp.layers.N``, ``MTP_PREFIXED_ARCHITECTURES``)
+DRAFTER_PREFIX = "mtp."
 
 
 def pp_layer_range(num_hidden_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
@@ -35,7 +38,8 @@ def pipeline_stages(names: Iterable[str], scenario: Scenario) -> list[frozenset[
     """The layer names each pipeline stage's worker reports (``get_kv_cache_spec`` of a model
     built with ``make_layers``, which builds layers ``get_pp_indices`` gives the rank): a decoder
     layer by its index; the speculative drafter's layers (an index past ``num_hidden_layers``,
-    or no index) on the last stage, which runs the drafter."""
+    the ``mtp.`` prefix, or no index) on the last stage, whose runner builds the drafter
+    (``GPUModelRunner.__init__``)."""
     model, pp = scenario.model, scenario.runtime.pipeline_parallel_size
     names = list(names)
     if pp == 1 or model is None:
@@ -43,7 +47,7 @@ def pipeline_stages(names: Iterable[str], scenario: Scenario) -> list[frozenset[
     ranges = [pp_layer_range(model.num_hidden_layers, rank, pp) for rank in range(pp)]
     stages: list[set[str]] = [set() for _ in range(pp)]
     for name in names:
-        found = _LAYER_INDEX.search(name)
+        found = None if name.startswith(DRAFTER_PREFIX) else LAYER_INDEX.search(name)
         index = int(found.group(1)) if found else model.num_hidden_layers
         stage = next((r for r, (lo, hi) in enumerate(ranges) if lo <= index < hi), pp - 1)
         stages[stage].add(name)

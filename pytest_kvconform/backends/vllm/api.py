@@ -16,6 +16,7 @@ import inspect
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ...reference.parallel import DRAFTER_PREFIX
 from .runtime import vllm_runtime
 
 
@@ -62,8 +63,9 @@ def kv_cache_configs(config: Any, worker_specs: list[Mapping[str, Any]], availab
 def pipeline_stages(config: Any, specs: Mapping[str, Any]) -> list[dict[str, Any]]:
     """The specs each pipeline stage's worker reports: a decoder layer on the stage
     ``get_pp_indices`` (vllm/distributed/utils.py) gives its index (``extract_layer_index``,
-    vllm/model_executor/models/utils.py); a drafter's layer (an index past the target's layers)
-    on the last stage, whose runner builds the drafter (``GPUModelRunner.__init__``)."""
+    vllm/model_executor/models/utils.py); a drafter's layer (an index past the target's layers,
+    or an MTP drafter's own ``mtp.layers.N``) on the last stage, whose runner builds the drafter
+    (``GPUModelRunner.__init__``)."""
     from vllm.distributed.utils import get_pp_indices
     from vllm.model_executor.models.utils import extract_layer_index
 
@@ -74,7 +76,7 @@ def pipeline_stages(config: Any, specs: Mapping[str, Any]) -> list[dict[str, Any
     ranges = [get_pp_indices(n, rank, pp) for rank in range(pp)]
     stages: list[dict[str, Any]] = [{} for _ in range(pp)]
     for name, spec in specs.items():
-        index = extract_layer_index(name)
+        index = n if name.startswith(DRAFTER_PREFIX) else extract_layer_index(name)
         stage = next((r for r, (lo, hi) in enumerate(ranges) if lo <= index < hi), pp - 1)
         stages[stage][name] = spec
     return stages
