@@ -54,14 +54,14 @@ def reference_specs(reference: Any, scenario: Scenario) -> dict[str, Any]:
 
 
 def hybrid_alignment(backend: Any, reference: Any, scenario: Scenario) -> None:
-    expected = reference.align_hybrid_block_size(scenario=scenario)
-    if expected is None:
+    expected = outcome(reference, "align_hybrid_block_size", scenario=scenario)
+    if expected == ("ok", None):
         raise NotApplicable("not a hybrid attention + state model")
-    got = call_rule(backend, "align_hybrid_block_size", scenario=scenario)
+    got = outcome(backend, "align_hybrid_block_size", scenario=scenario)
     fields = ("block_size", "page_size_bytes", "state_page_padded_bytes", "attn_page_bytes_per_token",
               "state_page_bytes")  # fmt: skip
-    want, have = ({f: getattr(answer, f, None) for f in fields} for answer in (expected, got))
-    assert_same("hybrid_alignment", backend, scenario, want, have)
+    assert_same_outcome("hybrid_alignment", backend, scenario, "hybrid_alignment", expected, got,
+                        lambda answer: {f: getattr(answer, f, None) for f in fields})  # fmt: skip
 
 
 def choose_block_size(backend: Any, reference: Any, scenario: Scenario) -> None:
@@ -141,6 +141,8 @@ def reference_groups_or_skip(reference: Any, specs: dict[str, Any], scenario: Sc
         raise NotApplicable(
             f"the reference rejects this scenario's groups ({answer[1]}); test_kv_cache_groups checks that"
         )
+    if not answer[1]:
+        raise NotApplicable("no KV cache groups (attention-free): the engine sizes no pool")
 
 
 def kv_cache_groups(backend: Any, reference: Any, scenario: Scenario) -> None:
@@ -180,11 +182,18 @@ def available_memory(backend: Any, reference: Any, scenario: Scenario) -> None:
     budget = scenario.runtime.kv_cache_memory_bytes
     if not budget:
         raise NotApplicable("no kv_cache_memory_bytes: the engine has no budget to keep")
+    if outcome(reference, "layer_specs", scenario=scenario) == ("ok", {}):
+        raise NotApplicable(
+            "no layer holds a KV cache: the engine probes no memory (EngineCore._initialize_kv_caches)"
+        )
     free = 2 * budget
     key = f"available bytes (device {free:,} B free)"
-    expected = reference.determine_available_memory(free, scenario=scenario)
-    got = call_rule(backend, "determine_available_memory", free, scenario=scenario)
-    assert_same("memory", backend, scenario, {key: expected}, {key: got})
+    expected = outcome(reference, "determine_available_memory", free, scenario=scenario)
+    if expected[0] != "ok":
+        raise NotApplicable(f"the engine refuses this scenario's config ({expected[1]}): no worker to "
+                            "probe; test_plan compares the refusal")  # fmt: skip
+    got = outcome(backend, "determine_available_memory", free, scenario=scenario)
+    assert_same_outcome("memory", backend, scenario, key, expected, got, lambda answer: {key: answer})
 
 
 #: fractions of the needed bytes the max_model_len estimate is compared at
@@ -204,7 +213,12 @@ def estimate_max_model_len(backend: Any, reference: Any, scenario: Scenario, fra
 def one_sequence_bytes(backend: Any, reference: Any, scenario: Scenario) -> None:
     if scenario.is_spec_level:
         raise NotApplicable("the one-sequence estimate needs a model-level scenario")
-    choice = reference.choose_block_size(scenario=scenario)
+    answer = outcome(reference, "choose_block_size", scenario=scenario)
+    if answer[0] != "ok":
+        raise NotApplicable(
+            f"the reference rejects this scenario's block ({answer[1]}); test_choose_block_size checks that"
+        )
+    choice = answer[1]
     inputs = (choice.block_size, choice.state_page_padded)
     expected = reference.one_sequence_bytes(*inputs, scenario=scenario)
     got = call_rule(backend, "one_sequence_bytes", *inputs, scenario=scenario)

@@ -168,13 +168,16 @@ def numbers_apply(backend: Any, scenario: Scenario, reference: Any = None) -> No
     applicable, naming the field that moves."""
     if provenance.is_oracle(backend):
         return
-    alignment = call_rule(backend, "kernel_block_alignment", scenario=scenario)
-    stated = scenario.runtime.kernel_block_alignment
-    if alignment == stated:
-        return
     from .reference.rules import reference_rules
 
     rules = reference or reference_rules(getattr(backend, "release", None) or LATEST)
+    status, alignment = outcome(backend, "kernel_block_alignment", scenario=scenario)
+    if status != "ok" and outcome(rules, "kernel_block_alignment", scenario=scenario) == (status, alignment):
+        return  # both refuse the input alike (a setting the release does not take): the test compares that
+    alignment = call_rule(backend, "kernel_block_alignment", scenario=scenario)  # a refusal alone departs
+    stated = scenario.runtime.kernel_block_alignment
+    if alignment == stated:
+        return
     plans = [
         outcome(rules, "plan", scenario=s)
         for s in (scenario, scenario.with_runtime(kernel_block_alignment=alignment))

@@ -71,6 +71,8 @@ def _choice(v: BlockChoice, trace: PlanTrace) -> list[str]:
 
 
 def _specs(v: dict[str, KVCacheSpec], trace: PlanTrace) -> list[str]:
+    if not v:
+        return ["none: no layer holds a KV cache"]
     return [f"{n} layer{'s' if n > 1 else ''} x {describe_spec(s)}" for s, n in Counter(v.values()).items()]
 
 
@@ -84,6 +86,8 @@ def _unified(v: dict[str, KVCacheSpec] | None, trace: PlanTrace) -> list[str]:
                    "layers to full attention first (unify_hybrid_kv_cache_specs)"]  # fmt: skip
     if v is None:
         return [*hma_off, f"policy {policy}: pages {before}: cannot unify"]
+    if not v:
+        return ["no pages: nothing to unify"]
     after = sorted({(s.kind, s.block_size, s.page_size_bytes) for s in v.values()})
     return [
         *hma_off,
@@ -92,6 +96,8 @@ def _unified(v: dict[str, KVCacheSpec] | None, trace: PlanTrace) -> list[str]:
 
 
 def _groups(v: list[KVCacheGroup], trace: PlanTrace) -> list[str]:
+    if not v:
+        return ["no groups: no layer holds a KV cache (attention-free)"]
     kinds = Counter((g.kind, g.block_size, g.page_size_bytes, len(g.layer_names)) for g in v)
     return [
         *(f"{n} group{'s' if n > 1 else ''} {k}: block {b}, page {p} B, {m} layers"
@@ -104,6 +110,11 @@ def _groups(v: list[KVCacheGroup], trace: PlanTrace) -> list[str]:
 
 def _memory(v: MemoryCheck, trace: PlanTrace) -> list[str]:
     rt = _runtime(trace)
+    if not v.bytes_per_block:
+        return [
+            "attention-free: the engine probes no memory and checks nothing; "
+            f"num_blocks = {v.num_blocks} (BlockPool's null block)"
+        ]
     given = (f"num_gpu_blocks_override {rt.num_gpu_blocks_override}" if rt.num_gpu_blocks_override
              else f"{rt.kv_cache_memory_bytes} B // {v.bytes_per_block} B")  # fmt: skip
     return [
@@ -159,7 +170,7 @@ FORMATS: dict[str, Callable[[Any, PlanTrace], list[str]]] = {
     "available memory": lambda v, trace: [f"{v} B for the KV cache"],
     "pool and admission": _memory,
     "kernel block sizes": lambda v, trace: [
-        "kernel block per group: " + ", ".join(f"{k} (x{n})" for k, n in Counter(v).items())
+        "kernel block per group: " + (", ".join(f"{k} (x{n})" for k, n in Counter(v).items()) or "no groups")
     ],
     "one-sequence estimate": _one_sequence,
     "kernel block": _kernel,

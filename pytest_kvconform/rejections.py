@@ -29,12 +29,13 @@ KINDS: dict[str, str] = {
     "max_num_batched_tokens before vLLM 0.27)",
     "unsupported_combination": "a combination of features the engine refuses (sliding window with "
     "decode context parallelism, a prefix-match unit the groups do not align with)",
+    "unsupported_setting": "a setting value the release does not accept (--mamba-cache-mode all from "
+    "vLLM 0.32: CacheConfig.mamba_cache_mode)",
     "invalid_padding": "a padded page smaller than the page it pads "
     "(Platform._align_heterogeneous_kv_block_size)",
     "oversized_config": "an engine KV cache config of more blocks than the allocated pool (vllm-metal #527)",
     "no_attention_backend": "the platform has no attention backend for the model's layers "
     "(Platform.get_attn_backend_cls refuses)",
-    "nothing_to_plan": "no KV cache layers at all: nothing to plan",
     "not_modelled": "an input the reference does not model (it says which): nothing to compare with",
 }
 
@@ -77,9 +78,9 @@ PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
         ("unsupported_block_size", r"is not divisible by any supported kernel block size"),
         ("unsupported_block_size", r"No common block size for \d+"),
         ("unsupported_block_size", r"block_size \(\d+\) must be <= max_num_batched_tokens"),
+        ("unsupported_setting", r"mamba_cache_mode\n\s+Input should be 'align' or 'none'"),
         ("invalid_padding", r"padded-spec per-token page \(\d+B\) < primary"),
         ("oversized_config", r"requests \d+ blocks but the [\w ]*pool was allocated with \d+"),
-        ("nothing_to_plan", r"no KV cache groups: nothing to plan"),
         ("no_attention_backend", r"Sparse Attention is not supported on CPU"),
         ("no_attention_backend", r"No valid attention backend found for"),
         (

@@ -67,6 +67,10 @@ def _no_paged_attention(s: Scenario) -> bool:
     return s.model is None or s.model.attention is None or s.model.num_attention_layers == 0
 
 
+def _no_kv_cache(s: Scenario) -> bool:
+    return s.model is not None and not s.model.num_attention_layers and not s.model.num_state_layers
+
+
 def _quantized_kv(s: Scenario) -> bool:
     return s.runtime.kv_cache_dtype not in ("auto", s.model.dtype if s.model is not None else "auto")
 
@@ -105,6 +109,9 @@ NO_PAGED_ATTENTION = InputKind(
     "no paged attention layer (attention-free, or a spec-level scenario)",
     _no_paged_attention,
 )
+NO_KV_CACHE = InputKind(
+    "no_kv_cache", "no layer holds a KV cache (an encoder-only model: vLLM plans one block)", _no_kv_cache
+)
 QUANTIZED_KV = InputKind(
     "quantized_kv", "a kv_cache_dtype other than the model's (fp8, int8, packed formats)", _quantized_kv
 )
@@ -130,6 +137,7 @@ INPUT_KINDS: dict[str, InputKind] = {
         STATE,
         SLIDING_WINDOW,
         NO_PAGED_ATTENTION,
+        NO_KV_CACHE,
         QUANTIZED_KV,
         TENSOR_PARALLEL,
         PIPELINE_PARALLEL,

@@ -55,7 +55,7 @@ KV_CACHE_DTYPES = (
 MODEL_DTYPES = ("float16", "bfloat16", "float32")
 #: ``MambaDType`` of vLLM 0.33.
 MAMBA_DTYPES = ("auto", "float16", "bfloat16", "float32")
-MAMBA_CACHE_MODES = ("none", "align")
+MAMBA_CACHE_MODES = ("none", "align", "all")
 #: ``[runtime]`` keys whose default is the engine's, by release and model kind: a file that does
 #: not state one leaves it *unset* (:attr:`RuntimeSettings.unset`) and the plan gives it what
 #: ``vllm serve`` sets (``reference.defaults``; docs/engine-defaults.md). Until then it holds the
@@ -137,6 +137,10 @@ class StateGeometry:
     value_head_dim: int = 0  # gdn
     num_heads: int = 0  # kda
     conv_dim: int = 0  # short_conv
+    #: mamba1, mamba2: the kernel's chunk of tokens (HF ``mamba_chunk_size`` or ``chunk_size``;
+    #: ``ModelConfig.get_mamba_chunk_size``, 2048 when the config has neither); 0: not stated.
+    #: Read only by ``mamba_cache_mode = "all"``, which aligns the block to it.
+    chunk_size: int = 0
 
 
 @dataclass(frozen=True)
@@ -283,7 +287,7 @@ class Scenario:
         changes["unset"] = tuple(k for k in self.runtime.unset if k not in changes)  # now stated
         runtime = dataclasses.replace(self.runtime, **changes)
         _check_runtime(runtime, self.source)
-        _check_pipeline(runtime, self.model, self.source)
+        _check_model_runtime(runtime, self.model, self.source)
         return dataclasses.replace(self, runtime=runtime, expect={}, expect_external={}, expect_before={})
 
     def expect_for(self, release: Any) -> dict[str, tuple[str, Any]]:
@@ -294,8 +298,9 @@ class Scenario:
         ``[expect.before.<change>]`` replace those values. When the release lacks several changes
         that both state a field, the table of the oldest change wins: the releases before an older
         change are the ones that also lack every newer change. A table of ``rejects`` (the
-        exception type vLLM rejects the plan with) replaces every value: then the only one is
-        ``"rejects"``.
+        kind of refusal vLLM rejects the plan with) replaces every value: then the only one is
+        ``"rejects"``; a table of fields after a rejection (a setting newer releases refuse)
+        replaces the rejection.
         """
         from .reference.releases import CHANGES  # stdlib only; imported late (reference imports us)
 
@@ -303,9 +308,8 @@ class Scenario:
         for change in reversed(CHANGES):  # newest first, so that the oldest change's table wins
             if change.name in self.expect_before and not release.has(change.name):
                 table = f"expect.before.{change.name}"
-                values.update({k: (table, v) for k, v in self.expect_before[change.name].items()})
-        if REJECTS in values:
-            return {REJECTS: values[REJECTS]}
+                older = {k: (table, v) for k, v in self.expect_before[change.name].items()}
+                values = older if REJECTS in values or REJECTS in older else {**values, **older}
         return values
 
 
@@ -402,7 +406,7 @@ def scenario_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Scena
                 "-1 (auto-fit) needs [model] max_position_embeddings (the length vLLM derives)",
             )  # fmt: skip
         runtime = dataclasses.replace(runtime, max_model_len=model.max_position_embeddings)
-    _check_pipeline(runtime, model, source)
+    _check_model_runtime(runtime, model, source)
     expect = dict(r.table("expect", required=False).data)
     external = expect.pop("external", {})
     if not isinstance(external, Mapping):
@@ -444,8 +448,9 @@ def _check_rejects(values: Mapping[str, Any], where: str, source: str) -> None:
 
 def _read_expect_before(before: Any, expect: Mapping[str, Any], source: str) -> dict[str, dict[str, Any]]:
     """``[expect.before.<change>]`` tables: ``<change>`` a name of ``reference.releases.CHANGES``,
-    each key a KVPlan field that ``[expect]`` also states (the value under the newest rules), or
-    ``rejects`` alone: the kind of refusal those releases reject the plan with
+    each key a KVPlan field that ``[expect]`` also states (the value under the newest rules;
+    any field when ``[expect]`` is ``rejects`` alone: the plan of the releases before a refusal),
+    or ``rejects`` alone: the kind of refusal those releases reject the plan with
     (``pytest_kvconform.rejections.KINDS``)."""
     from .reference.releases import CHANGES  # stdlib only; imported late (reference imports us)
 
@@ -466,7 +471,7 @@ def _read_expect_before(before: Any, expect: Mapping[str, Any], source: str) -> 
         for key in values:
             if key not in KVPlan.field_names():
                 raise ScenarioError(source, f"{where}.{key}", "unknown key; expected a KVPlan field name")
-            if key not in expect:
+            if key not in expect and REJECTS not in expect:
                 raise ScenarioError(
                     source, f"{where}.{key}", "not in [expect]; state its value under the newest rules there"
                 )
@@ -549,11 +554,18 @@ def _read_model(r: _Reader, source: str) -> ModelGeometry:
         raise r.fail("sources", "expected a list of strings")
     needs_attention = any(c in "ASLXP" for c in layers)
     needs_state = any(c in "MP" for c in layers)
-    if needs_attention != ("attention" in r.data):
-        raise r.fail("attention", "expected [model.attention] exactly when layers has A/S/L/X/P")
+    # an encoder-only model (every layer "-") may state the geometry of its attention, which holds
+    # no KV cache (vLLM's EncoderOnlyAttention.get_kv_cache_spec is None): a config writer needs it
+    encoder_only = set(layers) == {"-"}
+    if needs_attention != ("attention" in r.data) and not encoder_only:
+        raise r.fail(
+            "attention",
+            "expected [model.attention] exactly when layers has A/S/L/X/P "
+            "(or, optionally, when every layer is -)",
+        )
     if needs_state != ("state" in r.data):
         raise r.fail("state", "expected [model.state] exactly when layers has M/P")
-    attention = _read_attention(r.table("attention"), layers) if needs_attention else None
+    attention = _read_attention(r.table("attention"), layers) if "attention" in r.data else None
     if attention is not None and attention.is_heterogeneous and needs_state:
         raise r.fail("attention", "global_head_dim / num_global_kv_heads: not modelled with state layers")
     state = _read_state(r.table("state")) if needs_state else None
@@ -626,12 +638,14 @@ _STATE_FIELDS = {
 def _read_state(r: _Reader) -> StateGeometry:
     kind = r.str("kind", choices=STATE_KINDS)
     fields = _STATE_FIELDS[kind]
-    r.done(allowed={"kind", "conv_kernel", "ssm_dtype", *fields})
+    chunked = kind in ("mamba1", "mamba2")
+    r.done(allowed={"kind", "conv_kernel", "ssm_dtype", *fields, *(("chunk_size",) if chunked else ())})
     return StateGeometry(
         kind=kind,
         conv_kernel=r.int("conv_kernel"),
         ssm_dtype=r.str("ssm_dtype", default="auto", choices=MAMBA_DTYPES),
         **{f: r.int(f) for f in fields},
+        **({"chunk_size": r.int("chunk_size", default=0)} if chunked else {}),
     )
 
 
@@ -685,12 +699,20 @@ def _read_runtime(r: _Reader, source: str) -> RuntimeSettings:
     return runtime
 
 
-def _check_pipeline(rt: RuntimeSettings, model: ModelGeometry | None, source: str) -> None:
-    """Pipeline stages take the model's layers by their index: a spec-level scenario has none."""
+def _check_model_runtime(rt: RuntimeSettings, model: ModelGeometry | None, source: str) -> None:
+    """Settings that read the model: pipeline stages take its layers by their index (a spec-level
+    scenario has none); ``mamba_cache_mode = "all"`` aligns the block to its Mamba chunk."""
     if rt.pipeline_parallel_size > 1 and model is None:
         raise ScenarioError(
             source, "runtime.pipeline_parallel_size",
             "above 1 needs a [model]: pipeline stages take the model's layers by their index",
+        )  # fmt: skip
+    state = model.state if model is not None else None
+    chunked = state is not None and state.kind in ("mamba1", "mamba2")
+    if rt.mamba_cache_mode == "all" and chunked and not state.chunk_size:  # type: ignore[union-attr]
+        raise ScenarioError(
+            source, "model.state.chunk_size",
+            "needed by mamba_cache_mode = 'all' (the config's mamba_chunk_size or chunk_size)",
         )  # fmt: skip
 
 

@@ -151,6 +151,35 @@ class IgnoresPipeline(Broken):
         return s.with_runtime(pipeline_parallel_size=1)
 
 
+class MambaAllAsAlign(Broken):
+    """--mamba-cache-mode all planned as align: the block not aligned to the Mamba chunk, one
+    state per request instead of one per block."""
+    name = "mamba-all-as-align"
+    def changed(self, s):
+        return s.with_runtime(mamba_cache_mode="align") if s.runtime.mamba_cache_mode == "all" else s
+
+
+class MambaAllAfterRemoval(ReferenceBackend):
+    """--mamba-cache-mode all still planned by releases that refuse it (0.32+)."""
+    name = "mamba-all-after-removal"
+    def plan(self, scenario):
+        with (
+            mock.patch("pytest_kvconform.reference.selection.verify_mamba_cache_mode", lambda s, r: None),
+            mock.patch("pytest_kvconform.reference.rules.verify_mamba_cache_mode", lambda s, r: None),
+        ):
+            return super().plan(scenario)
+
+
+class NoPoolWithoutGroups(ReferenceBackend):
+    """A model no layer of which holds a KV cache gets no plan (the harness's rule before), not
+    vLLM's one-block pool (get_kv_cache_config_from_groups: num_blocks=1)."""
+    name = "no-pool-without-groups"
+    def check_memory(self, specs, scenario):
+        if not specs:
+            raise ValueError("no KV cache groups: nothing to plan")
+        return super().check_memory(specs, scenario=scenario)
+
+
 class FirstStageOnly(ReferenceBackend):
     """The pool sized by the first pipeline stage's worker, not the smallest over the workers."""
     name = "first-stage-only"
@@ -214,7 +243,7 @@ class PlanNotProvided(ReferenceBackend):
             {"qwen2.5-3b-instruct-tp4", "granite-4.0-h-tiny-tp4", "granite-4.0-h-small-tp8"},
         ),
         ("NoExtraGroups", {"granite-4.0-h-tiny-tp4", "granite-4.0-h-small-tp8"}),
-        ("IgnoresDcp", {"deepseek-v3-dcp8"}),
+        ("IgnoresDcp", {"deepseek-v3-dcp8", "deepseek-v3-fp8-dcp8-pp4"}),
         ("IgnoresSpeculation", {"qwen3.5-35b-a3b-mtp1", "qwen3-next-80b-a3b-mtp2-tp4"}),
         ("IgnoresDraftLayers", {"deepseek-v3-mtp1", "qwen3.5-35b-a3b-mtp1", "qwen3-next-80b-a3b-mtp2-tp4"}),
         ("WindowsAsFull", {"gemma-3-27b-it", "gpt-oss-20b"}),
@@ -224,18 +253,24 @@ class PlanNotProvided(ReferenceBackend):
         ("NoBoundaryLayers", {"llama-3.1-8b-instruct-turboquant-k8v4"}),
         ("KernelServesAnyBlock", {"llama-3.1-8b-instruct-fp8-block-8"}),
         ("HybridManagerAlwaysOn", {"gemma-4-31b-it-hma-disabled", "granite-4.0-h-tiny-hma-disabled"}),
-        ("IgnoresPipeline", {"deepseek-v3-fp8-pp4", "qwen3-next-80b-a3b-pp2"}),
-        ("FirstStageOnly", {"deepseek-v3-fp8-pp4"}),  # stage 0 holds 15 layers, stage 2 16
+        ("IgnoresPipeline", {"deepseek-v3-fp8-pp4", "qwen3-next-80b-a3b-pp2", "deepseek-v3-fp8-dcp8-pp4"}),
+        ("FirstStageOnly", {"deepseek-v3-fp8-pp4", "deepseek-v3-fp8-dcp8-pp4"}),  # stage 0: 15 layers, 2: 16
+        ("NoPoolWithoutGroups", {"all-minilm-l6-v2"}),
+        ("MambaAllAsAlign@0.31", {"granite-4.0-h-tiny-mamba-all"}),  # 0.23 ... 0.31 plan "all"
+        ("MambaAllAfterRemoval@0.32", {"granite-4.0-h-tiny-mamba-all"}),  # 0.32+ refuse it
     ],
 )
 def test_a_broken_rule_fails_a_packaged_expectation(
     pytester: pytest.Pytester, backend: str, caught: set
 ) -> None:
+    """``backend`` is a class of BROKEN, judged by the installed vLLM's rules or, after ``@``, a release's."""
+    backend, _, release = backend.partition("@")
     pytester.makepyfile(broken=BROKEN)
     pytester.syspathinsert()
     result = pytester.runpytest(
         RULES_SUITE,
         f"--kvconform-backend=broken:{backend}",
+        *([f"--kvconform-vllm={release}"] if release else []),
         "-k",
         "test_expectations",
         "-p",
@@ -339,7 +374,8 @@ def test_the_plan_benchmark_skips_only_declared_failures(
     pytester.syspathinsert()
     result = pytester.runpytest(
         PLAN_BENCH, f"--kvconform-backend=broken:{backend}", "--benchmark-only", "-rA",
-        "-p", "no:cacheprovider", "-k", "granite-4.0-h-tiny and not tp4 and not hma-disabled",
+        "-p", "no:cacheprovider",
+        "-k", "granite-4.0-h-tiny and not tp4 and not hma-disabled and not mamba-all",
     )  # fmt: skip
     ran = {k: v for k, v in result.parseoutcomes().items() if k in ("passed", "failed", "skipped", "errors")}
     assert ran == {outcome.lower(): 1}, result.stdout.str()

@@ -295,8 +295,10 @@ def test_unified_pages_are_equal_and_padded_covers_real(d):
                 assert specs[name].kind == "mla"
             continue
         except AssertionError:
-            if policy != "scale-only" and _phase3_padded_windows(specs):
-                continue  # vLLM's refusal too (groups_or_reject)
+            if _phase3_padded_windows(specs):
+                # vLLM's refusal too (groups_or_reject): block scaling outgrows the padded window
+                # page; scale-only (vLLM 0.23) never meets one: Phase 3 came in 0.25
+                continue
             assert policy == "scale-only"
             assert any(isinstance(s, MambaSpec) for s in specs.values())
             continue

@@ -1018,9 +1018,23 @@ def test_format_gib(num_bytes, text):
     assert format_gib(num_bytes) == text
 
 
-def test_check_memory_needs_groups():
-    with pytest.raises(ValueError):
-        check_memory([], RuntimeSettings())
+def test_no_groups_plan_the_null_block_only():
+    """get_kv_cache_config_from_groups (vLLM 0.23 ... 0.33): no groups, ``num_blocks=1`` ("BlockPool
+    always needs a null_block"), whatever the budget; the engine checks nothing. Auto-fit keeps
+    the derived length and logs _auto_fit_max_model_len's attention-free text."""
+    m = check_memory([], RuntimeSettings(kv_cache_memory_bytes=2**30))
+    assert (m.num_blocks, m.bytes_per_block, m.needed_bytes, m.available_bytes, m.admission) == (
+        1,
+        0,
+        0,
+        0,
+        "ok",
+    )
+    fit = check_memory([], RuntimeSettings(max_model_len=512, auto_fit_max_model_len=True))
+    assert (fit.max_model_len, fit.auto_fit) == (
+        512,
+        "Auto-fit max_model_len: attention-free model, using derived max_model_len=512",
+    )
 
 
 # --------------------------------------------------------------------------- vllm-metal @ 211a1e4

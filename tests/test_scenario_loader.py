@@ -276,9 +276,9 @@ BAD_CASES = [
     (
         "unknown-cache-mode",
         "runtime.mamba_cache_mode",
-        "all",
+        "every",
         "runtime.mamba_cache_mode",
-        "expected one of none, align",
+        "expected one of none, align, all",
     ),
     ("unknown-policy", "runtime.unify_policy", "max", "runtime.unify_policy", "expected one of pad-to-max"),
     (
@@ -724,7 +724,9 @@ def test_with_runtime_changes_and_drops_expectations():
         ({"num_speculative_tokens": -1}, "runtime.num_speculative_tokens", "expected an integer >= 0"),
         ({"num_gpu_blocks_override": 0}, "runtime.num_gpu_blocks_override", "expected an integer >= 1"),
         ({"kv_cache_dtype": "fp9"}, "runtime.kv_cache_dtype", "expected one of auto"),
-        ({"mamba_cache_mode": "all"}, "runtime.mamba_cache_mode", "expected one of none, align"),
+        ({"mamba_cache_mode": "every"}, "runtime.mamba_cache_mode", "expected one of none, align, all"),
+        # "all" aligns the block to the Mamba chunk, which the file must state
+        ({"mamba_cache_mode": "all"}, "model.state.chunk_size", "needed by mamba_cache_mode = 'all'"),
         ({"unify_policy": "lcm-ish"}, "runtime.unify_policy", "expected one of"),
         ({"user_specified_block_size": 1}, "runtime.user_specified_block_size", "expected true or false"),
     ],

@@ -43,7 +43,8 @@ def test_the_workers_own_specs_and_pool_are_checked(toy: pytest.Pytester) -> Non
     agree layer by layer, and its pool of 3 blocks holds 3 x 4 pages x 819,200 B = 9,830,400 B
     (one attention and one padded state page per slot of the 4-layer groups)."""
     selected = (
-        "(layer_specs or test_plan or planned_blocks) and granite-4.0-h-tiny and not (tp4 or hma-disabled)"
+        "(layer_specs or test_plan or planned_blocks) and granite-4.0-h-tiny"
+        " and not (tp4 or hma-disabled or mamba-all)"
     )
     result, report = _run(toy, RULES, ALLOCATION, "--kvconform-backend=toy-worker", "-k", selected)
     rules = report["rules"]
@@ -56,7 +57,7 @@ def test_the_workers_own_specs_and_pool_are_checked(toy: pytest.Pytester) -> Non
 
 
 def test_a_worker_billing_state_layers_as_attention_fails(toy: pytest.Pytester) -> None:
-    selected = "(layer_specs or test_plan) and granite-4.0-h-tiny and not (tp4 or hma-disabled)"
+    selected = "(layer_specs or test_plan) and granite-4.0-h-tiny and not (tp4 or hma-disabled or mamba-all)"
     result, report = _run(toy, RULES, "--kvconform-backend=toy-state-as-attention", "-k", selected)
     rules = report["rules"]
     assert rules["layer_specs"]["departed"] == 1 and rules["plan"]["departed"] == 1
@@ -73,8 +74,10 @@ def test_a_worker_billing_state_layers_as_attention_fails(toy: pytest.Pytester) 
 def test_a_pool_per_aliased_tensor_fails_the_allocation(toy: pytest.Pytester) -> None:
     """vLLM 0.32's ten group tensors of Granite alias one allocation: a buffer per tensor holds
     10 x the 3 blocks' 9,830,400 B."""
-    result, report = _run(toy, ALLOCATION, "--kvconform-backend=toy-pool-per-tensor", "-k",
-                          "planned_blocks and granite-4.0-h-tiny and not (tp4 or hma-disabled)")  # fmt: skip
+    result, report = _run(
+        toy, ALLOCATION, "--kvconform-backend=toy-pool-per-tensor",
+        "-k", "planned_blocks and granite-4.0-h-tiny and not (tp4 or hma-disabled or mamba-all)",
+    )  # fmt: skip
     from pytest_kvconform.backends.vllm.runtime import installed_vllm_version  # metadata only
 
     if tuple(map(int, installed_vllm_version().split(".")[:2])) < (0, 32):

@@ -49,11 +49,22 @@ _BY_NAME = (type, types.FunctionType, types.BuiltinFunctionType, types.MethodTyp
 
 
 def _crosses(obj: Any) -> bool:
-    """Whether ``obj`` is defined by a :data:`CROSSING` module (a class or function: itself)."""
-    named = obj if isinstance(obj, _BY_NAME) else type(obj)
+    """Whether ``obj`` is defined by a :data:`CROSSING` module (a class or function: itself) under
+    the name it is pickled by: a class made at run time (vLLM's ``subclass_attention_backend``
+    gives its classes the module ``abc``) or a closure has none, and stays."""
+    by_name = isinstance(obj, _BY_NAME)
+    named = obj if by_name else type(obj)
     if "<locals>" in str(getattr(named, "__qualname__", "")):  # a closure pickles by no name: it stays
         return False
-    return str(getattr(named, "__module__", "") or "").partition(".")[0] in CROSSING
+    module = str(getattr(named, "__module__", "") or "")
+    if module.partition(".")[0] not in CROSSING:
+        return False
+    if not by_name or module == "builtins":  # an instance: its class decides; builtins all pickle
+        return True
+    found: Any = sys.modules.get(module)  # a class or function pickles by this name, if it has one
+    for part in str(getattr(getattr(obj, "__func__", obj), "__qualname__", "")).split("."):
+        found = getattr(found, part, None)
+    return found is getattr(obj, "__func__", obj)
 
 
 def _portable(exc: BaseException) -> BaseException:

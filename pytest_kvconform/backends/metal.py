@@ -28,6 +28,7 @@ from ..reference import plan as reference_plan
 from ..reference.specs import AttentionSpec, KVCacheSpec, MambaSpec
 from ..reference.speculative import num_draft_layers, speculative_method
 from ..requirements import (
+    NO_KV_CACHE,
     NO_PAGED_ATTENTION,
     PIPELINE_PARALLEL,
     QUANTIZED_KV,
@@ -135,6 +136,8 @@ class MetalBackend(ReferenceBackend):
         ("allocation", PIPELINE_PARALLEL): "the Metal runtime serves one device: its pool holds every "
         "layer, not one pipeline stage's",
         ("memory", PIPELINE_PARALLEL): "vllm-metal serves one device: no pipeline stages to plan",
+        ("memory", NO_KV_CACHE): "vllm-metal sizes its paged pool from attention layers; "
+        "a model without a KV cache is planned by vLLM core",
     })  # fmt: skip
     #: What vllm-metal does not compute itself: the reference's code answers, reported as inherited.
     inherits: ClassVar[Mapping[str, str]] = dict.fromkeys(

@@ -8,10 +8,11 @@ full-attention layers' own head size and KV heads (Gemma 4's ``global_head_dim``
 the spec-level form covers both), the align-mode prefill checkpoint alignment of
 constructed layers (``extra_block_alignment`` stands for it), the layers of a draft with a
 checkpoint of its own (EAGLE heads, draft models: their config is not the scenario's, so a
-model-level scenario with one is refused in one line and the spec-level form lists them) and
-pipeline parallelism. The MTP drafter's layers are modelled (:func:`.speculative.num_draft_layers`).
-vLLM's auto-fit of ``max_model_len`` (``max_model_len = -1``) is modelled
-for one worker (:func:`.memory.check_memory`); its attention-free case is not (no groups: no plan).
+model-level scenario with one is refused in one line and the spec-level form lists them).
+The MTP drafter's layers are modelled (:func:`.speculative.num_draft_layers`), and so are
+pipeline stages (:mod:`.parallel`). vLLM's auto-fit of ``max_model_len`` (``max_model_len = -1``)
+is modelled for one worker (:func:`.memory.check_memory`); a model without KV cache groups plans
+vLLM's one null block (:func:`.memory.attention_free_check`).
 Grouping (:mod:`.grouping`): the MLA + sliding-window full-allocation fallback (0.27+) is
 modelled; merging specs that differ yet merge and 0.32's per-layer block-stride rounding move no
 bytes of any spec the reference builds (followed by construction; docs/scenario-derivations.md

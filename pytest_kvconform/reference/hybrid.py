@@ -37,6 +37,7 @@ def align_hybrid_block_size(
     block_size: int = 16,
     use_mla: bool = False,
     extra_block_alignment: int = 1,
+    mamba_chunk_size: int = 0,
 ) -> HybridAlignment:
     """``_align_hybrid_block_size`` on plain numbers.
 
@@ -44,6 +45,8 @@ def align_hybrid_block_size(
     prefill checkpoint alignment in align mode), ``attn_bs = k * cdiv(state, k * a1)``,
     rounded up to the kernel alignment, never below ``block_size``. vLLM 0.33 and
     vllm-metal today align to 16; vllm-metal before its PR #262 hard-coded 32.
+    ``mamba_cache_mode = "all"`` (vLLM 0.23 ... 0.31; ``mamba_chunk_size`` given): whole
+    ``lcm(mamba_chunk_size, k)`` chunks covering ``cdiv(state, a1)`` tokens.
     """
     if attn_page_bytes_per_token <= 0 or state_page_bytes < 0:
         raise ValueError("attention page per token must be > 0 and the state page >= 0")
@@ -54,8 +57,12 @@ def align_hybrid_block_size(
     k = max(kernel_block_alignment, block_size)
     if use_mla:
         k = max(k, MLA_MIN_BLOCK_ALIGNMENT)
-    k = math.lcm(k, extra_block_alignment)
-    attn_bs = k * cdiv(state, k * a1)
+    if mamba_chunk_size:  # "all": prefix caching at Mamba chunk boundaries
+        chunk = math.lcm(mamba_chunk_size, k)
+        attn_bs = chunk * cdiv(cdiv(state, a1), chunk)
+    else:
+        k = math.lcm(k, extra_block_alignment)
+        attn_bs = k * cdiv(state, k * a1)
     attn_bs = kernel_block_alignment * cdiv(attn_bs, kernel_block_alignment)
     new_block = max(block_size, attn_bs)
     page = new_block * a1
@@ -188,6 +195,7 @@ def hybrid_alignment(scenario: Scenario, release: RuleSet = LATEST) -> HybridAli
         use_mla=model.use_mla and release.has("mla_hybrid_block_floor"),
         extra_block_alignment=rt.extra_block_alignment
         if rt.mamba_cache_mode == "align" and release.has("prefill_checkpoint_alignment") else 1,
+        mamba_chunk_size=model.state.chunk_size if rt.mamba_cache_mode == "all" and model.state else 0,
     )  # fmt: skip
 
 
@@ -270,7 +278,7 @@ def block_choice(
 ) -> BlockChoice:
     """The cache config's block sizes and padded state page after ``alignment`` (None for a
     non-hybrid: the requested block, unpadded). ``mamba_block_size`` is the attention block
-    in ``align`` mode, else ``max_model_len`` (``MambaModelConfig.verify_and_update_config``).
+    in ``align`` and ``all`` mode, else ``max_model_len`` (``MambaModelConfig.verify_and_update_config``).
 
     Before ``align_block_unbounded_by_batch`` (vLLM 0.27), ``VllmConfig.validate_block_size``
     refuses an ``align``-mode block above ``max_num_batched_tokens`` (``AssertionError``). Both
@@ -304,5 +312,5 @@ def block_choice(
             f"In Mamba cache align mode, block_size ({block}) must be <= max_num_batched_tokens "
             f"({rt.max_num_batched_tokens})."
         )
-    mamba_block = phase2_block if rt.mamba_cache_mode == "align" else rt.max_model_len
+    mamba_block = phase2_block if rt.mamba_cache_mode in ("align", "all") else rt.max_model_len
     return BlockChoice(block, mamba_block, padded, shared)

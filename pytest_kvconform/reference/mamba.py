@@ -8,6 +8,7 @@ Mirrors ``MambaStateShapeCalculator`` and ``MambaStateDtypeCalculator``
 
 from __future__ import annotations
 
+from ..rejections import Rejected
 from ..scenario import Scenario, StateGeometry
 from .dtypes import mamba_dtypes
 from .releases import LATEST, RuleSet
@@ -30,6 +31,37 @@ def extra_groups_for_head_shards(n_groups: int, tp: int) -> int:
     returns vLLM's (negative) value unchanged.
     """
     return 0 if n_groups % tp == 0 else tp - n_groups
+
+
+#: The model classes implementing ``SupportsMambaPrefixCaching`` (vllm/model_executor/models/,
+#: vLLM 0.23 ... 0.31): the ones ``mamba_cache_mode = "all"`` keeps.
+MAMBA_PREFIX_CACHING = frozenset({
+    "MambaForCausalLM", "Mamba2ForCausalLM", "BambaForCausalLM", "JambaForCausalLM", "NemotronHForCausalLM",
+    "GraniteMoeHybridForCausalLM", "FalconH1ForCausalLM", "Zamba2ForCausalLM",
+})  # fmt: skip
+
+
+def verify_mamba_cache_mode(scenario: Scenario, release: RuleSet = LATEST) -> None:
+    """``--mamba-cache-mode all``: from vLLM 0.32 (``mamba_cache_mode_all_removed``) not a
+    ``MambaCacheMode`` (vllm/config/cache.py: "align" | "none"), refused when the config is built.
+    Before, ``MambaModelConfig.verify_and_update_config`` keeps it for a model class that supports
+    Mamba prefix caching and falls back to "align" for any other, which is not modelled (state
+    "align"). A model without state layers reads no mode."""
+    model = scenario.model
+    if scenario.runtime.mamba_cache_mode != "all":
+        return
+    if release.has("mamba_cache_mode_all_removed"):
+        raise Rejected(
+            "unsupported_setting",
+            "mamba_cache_mode 'all': vLLM 0.32 and later accept 'align' or 'none' "
+            "(CacheConfig.mamba_cache_mode)",
+        )
+    if model is not None and model.num_state_layers and model.architecture not in MAMBA_PREFIX_CACHING:
+        raise Rejected(
+            "not_modelled",
+            f"mamba_cache_mode 'all' on {model.architecture}: vLLM falls back to 'align' (no Mamba prefix "
+            "caching support); state mamba_cache_mode = 'align'",
+        )
 
 
 def state_shapes(state: StateGeometry, tp: int = 1, num_spec: int = 0, release: RuleSet = LATEST) -> Shapes:

@@ -161,6 +161,25 @@ def admission_budget(available: int, bytes_per_block: int, *, reserve_null_block
     return available - bytes_per_block if reserve_null_block else available
 
 
+#: ``_auto_fit_max_model_len``'s text for a model without KV cache groups (vLLM 0.23 ... 0.33).
+ATTENTION_FREE_AUTO_FIT = "Auto-fit max_model_len: attention-free model, using derived max_model_len={}"
+
+
+def attention_free_check(rt: RuntimeSettings) -> MemoryCheck:
+    """The plan of a model no layer of which holds a KV cache (no groups: an encoder-only model,
+    ``is_kv_cache_type_attention_free``), the same in vLLM 0.23 ... 0.33. ``EngineCore.
+    _initialize_kv_caches`` hands ``get_kv_cache_configs`` 0 bytes without probing the worker;
+    no admission check runs; ``get_kv_cache_config_from_groups`` returns ``num_blocks=1`` ("BlockPool
+    always needs a null_block"); the capacity (``update_kv_cache_capacity``) is not computed:
+    ``max_concurrency`` 0.0 here. Auto-fit keeps the derived length and logs so."""
+    fit = rt.auto_fit_max_model_len
+    return MemoryCheck(
+        bytes_per_block=0, num_blocks=1, needed_bytes=0, available_bytes=0, admission="ok",
+        max_model_len_estimate=0, max_concurrency=0.0, max_model_len=rt.max_model_len if fit else None,
+        auto_fit=ATTENTION_FREE_AUTO_FIT.format(rt.max_model_len) if fit else "",
+    )  # fmt: skip
+
+
 def check_memory(
     groups: Sequence[GroupSpec] | NeededBytes,
     rt: RuntimeSettings,
@@ -188,7 +207,7 @@ def check_memory(
     need = groups if isinstance(groups, NeededBytes) else need_of_groups(groups, rt)
     bpb = need.bytes_per_block
     if bpb == 0:
-        raise ValueError("no KV cache groups: nothing to plan")
+        return attention_free_check(rt)
     available = available_kv_bytes(need, rt)
     check = admission_budget(available, bpb, reserve_null_block=reserve_null_block)
     estimate_for = estimate_for or (lambda available: estimate_max_model_len(need, rt, available))

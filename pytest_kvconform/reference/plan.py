@@ -200,13 +200,19 @@ def compose_plan(rules: Any, scenario: Scenario, fallback: Any, trace: PlanTrace
 
     step("unification", specs, rejected=None)  # grouping unifies again (and raises its rejection)
     groups = step("groups", specs)
-    available = step("available memory")
-    if available != scenario.runtime.kv_cache_memory_bytes:  # the worker's probe feeds the pool
-        scenario = step.scenario = scenario.with_runtime(kv_cache_memory_bytes=available)
+    if groups:  # EngineCore._initialize_kv_caches probes the worker only when there is a KV cache
+        available = step("available memory")
+        if available != scenario.runtime.kv_cache_memory_bytes:  # the worker's probe feeds the pool
+            scenario = step.scenario = scenario.with_runtime(kv_cache_memory_bytes=available)
     memory = step("pool and admission", specs)
     step("kernel block sizes", groups)  # the runner's, before it allocates: refuses an unserved block
 
-    block_size = min([g.block_size for g in groups if g.kind != "mamba"] or [g.block_size for g in groups])
+    # the scheduler's block: the smallest group block (attention first); no groups: the cache config's
+    block_size = min(
+        [g.block_size for g in groups if g.kind != "mamba"]
+        or [g.block_size for g in groups]
+        or [choice.block_size]
+    )
     one_sequence = 0
     if not scenario.is_spec_level:
         one_sequence = step("one-sequence estimate", choice.block_size, choice.state_page_padded)
@@ -234,10 +240,10 @@ def compose_plan(rules: Any, scenario: Scenario, fallback: Any, trace: PlanTrace
         attn_bytes_per_token_per_layer=attn_per_token,
         indexer_bytes_per_token_per_layer=indexer_per_token,
         state_bytes_per_layer=state_real,
-        page_size_bytes=max(layer_page(g) for g in groups),
+        page_size_bytes=max((layer_page(g) for g in groups), default=0),
         state_padding_pct=round(100 * (state_page - state_real) / state_real, 4) if states else 0.0,
         kv_cache_groups=len(groups),
-        group_size=max(len(g.layer_names) for g in groups),
+        group_size=max((len(g.layer_names) for g in groups), default=0),
         bytes_per_block=memory.bytes_per_block,
         kv_bytes_per_token=kv_bytes_per_token,
         blocks_per_request=blocks_per_request,

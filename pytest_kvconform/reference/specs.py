@@ -156,11 +156,14 @@ class MambaSpec:
         return dataclasses.replace(self, block_size=block_size)
 
     def max_memory_usage_bytes(self, rt: RuntimeSettings) -> int:
-        """``align``: ``P * (2 + spec + checkpoint)``; otherwise ``P * (1 + spec)``.
+        """``align``: ``P * (2 + spec + checkpoint)``; ``all`` (vLLM 0.23 ... 0.31): a state per
+        block, ``P * (cdiv(max_model_len, block) + spec)``; otherwise ``P * (1 + spec)``.
 
         Like vLLM it reads the cache mode from the runtime (``cache_config``), not the spec.
         """
-        if rt.mamba_cache_mode == "align":
+        if rt.mamba_cache_mode == "all":
+            extra = -(-rt.max_model_len // self.block_size) + self.num_speculative_blocks
+        elif rt.mamba_cache_mode == "align":
             extra = 2 + self.num_speculative_blocks + self.num_prefill_checkpoint_blocks
         else:
             extra = 1 + self.num_speculative_blocks

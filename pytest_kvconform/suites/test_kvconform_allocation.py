@@ -71,8 +71,11 @@ def test_one_sequence_pool_holds_max_model_len(
     through the block table, and paged attention over them equals the dense oracle (not for MLA:
     the runtime has no MLA attention kernel)."""
     model = kv_scenario.model
-    if model is None or model.attention is None:
+    if model is None or not model.num_attention_layers:
         raise NotApplicable("needs a model-level scenario with attention layers")
+    refused = outcome(kv_reference, "choose_block_size", scenario=kv_scenario)
+    if refused[0] != "ok":
+        raise NotApplicable(f"the reference rejects this scenario's block ({refused[1]}): no pool to size")
     one_sequence = one_sequence_bytes(kv_backend, kv_reference, kv_scenario)
     num_blocks, block = _blocks_in_one_sequence(kv_scenario, one_sequence)
     length = kv_scenario.runtime.max_model_len
@@ -166,6 +169,10 @@ def _reference_plan(kv_backend: Any, kv_reference: Any, scenario: Scenario) -> t
     answer = outcome(kv_reference, "plan", scenario=scenario)
     if answer[0] != "ok":
         raise NotApplicable(f"the reference rejects the plan ({answer[1]}): no pool to allocate")
+    if not answer[1].kv_cache_groups:
+        raise NotApplicable(
+            "no KV cache groups: the engine allocates no tensor (its one block is the null block)"
+        )
     return answer[1], scenario
 
 

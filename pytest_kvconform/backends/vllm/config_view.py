@@ -79,7 +79,7 @@ def base_config(rt: RuntimeSettings) -> Any:
     cache = CacheConfig(
         block_size=rt.block_size if rt.user_specified_block_size else None,
         num_gpu_blocks_override=rt.num_gpu_blocks_override,
-        enable_prefix_caching=rt.mamba_cache_mode == "align",
+        enable_prefix_caching=rt.mamba_cache_mode in ("align", "all"),
     )  # fmt: skip
     cache.mamba_cache_mode = rt.mamba_cache_mode  # what MambaSpec.max_memory_usage_bytes reads
     scheduler = SchedulerConfig(

@@ -166,6 +166,26 @@ def dense_gqa(scenario: Scenario, common: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+@writer("BertModel")
+def bert(scenario: Scenario, common: dict[str, Any]) -> dict[str, Any]:
+    """Encoder-only BERT (configuration_bert): multi-head attention whose layers hold no KV cache
+    (vLLM's ``EncoderOnlyAttention``), so every layer is ``-``; vLLM serves it as a pooling model."""
+    model = scenario.model
+    assert model is not None and model.attention is not None
+    if model.state is not None or set(model.layers) != {"-"}:
+        raise UnsupportedByVllmError(
+            "no_config_writer",
+            f"{model.architecture}: an encoder-only model (every layer -), not {model.layers!r}",
+        )
+    heads = model.attention.num_kv_heads
+    return {
+        **common, "model_type": "bert", "hidden_size": heads * model.attention.head_dim,
+        "num_attention_heads": heads, "max_position_embeddings": model.max_position_embeddings or 512,
+        "type_vocab_size": 2, "hidden_act": "gelu", "layer_norm_eps": 1e-12,
+        "position_embedding_type": "absolute",
+    }  # fmt: skip
+
+
 @writer("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM")
 def deepseek_mla(scenario: Scenario, common: dict[str, Any]) -> dict[str, Any]:
     """MLA decoders (``kv_lora_rank``, ``qk_rope_head_dim``; vLLM's ``get_head_size`` is their
@@ -302,6 +322,7 @@ def granite_moe_hybrid(scenario: Scenario, common: dict[str, Any]) -> dict[str, 
         "layer_types": layer_list(model, "attention", "mamba"),
         "mamba_n_heads": st.n_heads, "mamba_d_head": st.head_dim, "mamba_d_state": st.d_state,
         "mamba_n_groups": st.n_groups, "mamba_d_conv": st.conv_kernel, "num_local_experts": 0,
+        **({"mamba_chunk_size": st.chunk_size} if st.chunk_size else {}),
     }  # fmt: skip
 
 
@@ -323,6 +344,7 @@ def nemotron_h(scenario: Scenario, common: dict[str, Any]) -> dict[str, Any]:
         "mamba_num_heads": st.n_heads, "mamba_head_dim": st.head_dim, "ssm_state_size": st.d_state,
         "n_groups": st.n_groups, "conv_kernel": st.conv_kernel,
         "mamba_ssm_cache_dtype": model.dtype if st.ssm_dtype == "auto" else st.ssm_dtype,
+        **({"chunk_size": st.chunk_size} if st.chunk_size else {}),
     }  # fmt: skip
 
 

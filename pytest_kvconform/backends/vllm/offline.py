@@ -163,7 +163,7 @@ def vllm_config(scenario: Scenario, platform: type) -> Any:
         }
     else:  # vLLM 0.33 derives the mode from prefix caching (on: "align"); 0.32 reads the field.
         mode = {
-            "enable_prefix_caching": rt.mamba_cache_mode == "align",
+            "enable_prefix_caching": rt.mamba_cache_mode in ("align", "all"),
             "mamba_cache_mode": rt.mamba_cache_mode,
         }
     cache = CacheConfig(

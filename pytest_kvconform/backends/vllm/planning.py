@@ -181,9 +181,9 @@ def check_memory(config: Any, vllm_specs: Mapping[str, Any], available_memory: i
     set everyone's ``num_blocks`` (the largest)."""
     api = vllm_runtime().planning
     groups = _groups(config, vllm_specs)
-    if not groups:
-        raise ValueError("no KV cache groups: nothing to plan (an attention-free model)")
     workers = api.pipeline_stages(config, vllm_specs)
+    if not groups:  # EngineCore._initialize_kv_caches: no KV cache, no probe, 0 bytes per worker
+        return _attention_free_check(config, workers)
     bpb = api.pool_bytes_per_block(config, groups)
     no_block = False
     derived = config.model_config.max_model_len  # auto-fit changes it: restored below
@@ -213,6 +213,26 @@ def check_memory(config: Any, vllm_specs: Mapping[str, Any], available_memory: i
         return _memory_check(config, kv_config, bpb, seen, fit, no_block)
     finally:
         config.model_config.max_model_len = derived
+
+
+def _attention_free_check(config: Any, workers: list[dict[str, Any]]) -> MemoryCheck:
+    """What vLLM plans for a model without KV cache groups: ``get_kv_cache_configs`` with 0 bytes
+    (its admission check does not run; auto-fit logs and keeps the length), and no capacity
+    computed (``EngineCore`` calls ``update_kv_cache_capacity`` only for groups): 0.0 here."""
+    api = vllm_runtime().planning
+    derived = config.model_config.max_model_len
+    try:
+        with _watch_admission() as seen, _watch_auto_fit() as fit:
+            kv_config = api.kv_cache_configs(config, workers, 0)[0]
+    finally:
+        config.model_config.max_model_len = derived
+    if seen.calls:
+        raise RuntimeError("get_kv_cache_configs ran its admission check for a model without KV cache groups")
+    return MemoryCheck(
+        bytes_per_block=0, num_blocks=int(kv_config.num_blocks), needed_bytes=0, available_bytes=0,
+        admission="ok", max_model_len_estimate=0, max_concurrency=0.0,
+        max_model_len=fit.max_model_len if fit.message else None, auto_fit=fit.message,
+    )  # fmt: skip
 
 
 def _memory_check(

@@ -57,7 +57,8 @@ class ToyWorker(Worker):
         }
 
     def backing_bytes(self, kv_cache_config):
-        return kv_cache_config.kv_cache_tensors[0].size
+        tensors = kv_cache_config.kv_cache_tensors  # none for a model without a KV cache
+        return tensors[0].size if tensors else 0
 
 
 def _is_full_attention(layer):
