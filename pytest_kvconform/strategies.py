@@ -163,6 +163,13 @@ def scenario_dicts(draw: st.DrawFn, hybrid: bool | None = None) -> dict[str, Any
     if attention["kind"] == "gqa" and draw(st.integers(0, 3)) == 0:  # --kv-cache-dtype-skip-layers
         names = [str(i) for i in range(n)] + (["sliding_window"] if "S" in layers else [])
         runtime["kv_cache_dtype_skip_layers"] = sorted(draw(st.sets(st.sampled_from(names), min_size=1)))
+    if runtime["max_model_len"] != -1 and draw(st.integers(0, 5)) == 0:  # pipeline stages (no auto-fit
+        # over stages: not modelled); a pipeline of P keeps P batches in flight, the engine's default
+        # (async scheduling) is not modelled: stated
+        pp = _pick(draw, [p for p in (2, 3, 4) if p <= n])
+        runtime["pipeline_parallel_size"] = runtime["max_concurrent_batches"] = pp
+    if (is_hybrid or "S" in layers) and draw(st.integers(0, 5)) == 0:  # --disable-hybrid-kv-cache-manager
+        runtime["disable_hybrid_kv_cache_manager"] = True
     return {"schema": "kv-scenario/1", "name": "generated", "model": model, "runtime": runtime}
 
 
@@ -195,6 +202,8 @@ def exercised_rules(scenario: Scenario) -> tuple[str, ...]:
         rt.auto_fit_max_model_len,
         gqa and rt.kv_cache_dtype != "auto" and bool(skip_layers(scenario)),
         _has_draft_layers(scenario),
+        rt.pipeline_parallel_size > 1,
+        rt.disable_hybrid_kv_cache_manager,
         False,  # spec-level only
     )
     return tuple(name for name, hit in zip(EXERCISABLE_RULES, hits, strict=True) if hit)
@@ -217,6 +226,8 @@ EXERCISABLE_RULES = (
     "auto-fit max_model_len (-1)",
     "heterogeneous KV dtypes (skip layers)",
     "MTP draft layers (model-level)",
+    "pipeline stages (PP > 1)",
+    "hybrid KV cache manager disabled",
     "MLA next to sliding-window layers (spec-level)",
 )
 

@@ -165,7 +165,6 @@ class MambaAllAfterRemoval(ReferenceBackend):
     def plan(self, scenario):
         with (
             mock.patch("pytest_kvconform.reference.selection.verify_mamba_cache_mode", lambda s, r: None),
-            mock.patch("pytest_kvconform.reference.rules.verify_mamba_cache_mode", lambda s, r: None),
         ):
             return super().plan(scenario)
 

@@ -93,10 +93,10 @@ def test_bad_file_names_file_and_key(tmp_path: Path, capsys: pytest.CaptureFixtu
 
 
 def test_rule_rejection_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
-    # vLLM 0.33.0 vllm/distributed/utils.py divide(): 48 Mamba heads cannot be split over 5 ranks
+    # vLLM 0.33.0 MambaMixer2.__init__ (layer 0 is Mamba2): 48 heads cannot be split over 5 ranks
     code, _, err = run(capsys, "plan", "granite-4.0-h-tiny", "--set", "tensor_parallel_size=5")
     assert code == 1
-    assert "is not divisible by 5" in err
+    assert "Tensor parallel world size must divide num heads." in err
 
 
 def test_console_script_entry_point() -> None:

@@ -143,17 +143,40 @@ def test_a_registered_dtype_needs_a_known_torch_dtype() -> None:
 
 
 def test_an_mtp_drafter_numbering_its_layers_from_0_sits_on_the_last_stage() -> None:
-    """Qwen3-Next's MTP layer is ``mtp.layers.0`` (one MTP module, qwen3_next_mtp.py): the last
+    """Qwen3.5's MTP layer is ``mtp.layers.0`` (one MTP module, qwen3_5_mtp.py): the last
     stage's runner builds the drafter, so its worker reports it, not the first stage's (whose
-    layer 0 shares the index). 48 layers over 2 stages: 0-23 and 24-47."""
+    layer 0 shares the index). 40 layers over 2 stages: 0-19 and 20-39. (Qwen3.5's MTP model
+    implements SupportsPP from vLLM 0.30; Qwen3-Next's in no release: refused.)"""
     from pytest_kvconform.reference.parallel import pipeline_stages
     from pytest_kvconform.scenario import load_scenario
 
-    s = load_scenario("qwen3-next-80b-a3b-mtp2-tp4").with_runtime(pipeline_parallel_size=2)
+    s = load_scenario("qwen3.5-35b-a3b-mtp1").with_runtime(pipeline_parallel_size=2)
     specs = layer_specs(s)
     first, last = pipeline_stages(specs, s)
     drafter = {name for name in specs if name.startswith("mtp.")}
     assert drafter == {"mtp.layers.0.self_attn"}
     assert drafter <= last and not drafter & first
-    assert "model.layers.3.self_attn" in first and "model.layers.47.self_attn" in last
+    assert "model.layers.3.self_attn" in first and "model.layers.39.self_attn" in last
     assert len(first) + len(last) == len(specs)
+
+
+@pytest.mark.parametrize(("name", "release", "refused"), [
+    ("qwen3-next-80b-a3b-mtp2-tp4", "0.33", True),  # Qwen3NextMTP: no SupportsPP in 0.23 ... 0.33
+    ("qwen3.5-35b-a3b-mtp1", "0.29", True),  # Qwen3_5MTP and DeepSeekMTP implement it from 0.30
+    ("qwen3.5-35b-a3b-mtp1", "0.30", False),
+    ("deepseek-v3-mtp1", "0.29", True),
+    ("deepseek-v3-mtp1", "0.30", False),
+])  # fmt: skip
+def test_pipeline_stages_need_an_mtp_drafter_with_pipeline_support(
+    name: str, release: str, refused: bool
+) -> None:
+    """ModelConfig.verify_with_parallel_config refuses the draft model's config when its MTP model
+    does not implement SupportsPP (read in each wheel's *_mtp.py), as for a target."""
+    from pytest_kvconform.conformance import outcome
+    from pytest_kvconform.reference.releases import rule_set
+    from pytest_kvconform.reference.rules import reference_rules
+    from pytest_kvconform.scenario import load_scenario
+
+    s = load_scenario(name).with_runtime(pipeline_parallel_size=2, max_concurrent_batches=2)
+    answer = outcome(reference_rules(rule_set(release)), "plan", scenario=s)
+    assert (answer[0] == "rejects" and answer[1] == "unsupported_combination") is refused, answer

@@ -23,6 +23,7 @@ from pytest_kvconform.reference import plan
 from pytest_kvconform.reference.grouping import get_kv_cache_groups
 from pytest_kvconform.reference.hybrid import hybrid_alignment, skip_layers
 from pytest_kvconform.reference.layers import layer_specs
+from pytest_kvconform.reference.mamba import verify_mamba2_split
 from pytest_kvconform.reference.memory import check_memory, estimate_max_model_len
 from pytest_kvconform.reference.releases import RELEASES, rule_set
 from pytest_kvconform.reference.selection import select_attention_backends
@@ -223,12 +224,14 @@ scenario_dicts = st.one_of(model_scenario_dicts(), spec_scenario_dicts())
 
 
 def load(d: dict[str, Any]) -> Scenario:
-    """The generated scenario; one the engine refuses at attention-backend selection (a TurboQuant
-    layer with a sliding window, a float32 model, ...) is no example of the sizing rules."""
+    """The generated scenario; one the engine refuses while building the model (a Mamba2 layer
+    whose heads or groups the TP size does not split, a TurboQuant layer with a sliding window, a
+    float32 model, ...) is no example of the sizing rules."""
     s = scenario_from_dict(d, "<hypothesis>")
     try:
+        verify_mamba2_split(s)
         select_attention_backends(s)
-    except ValueError:
+    except (ValueError, AssertionError):
         assume(False)
     return s
 
@@ -569,6 +572,8 @@ SPELLED = {
         # stated, or TurboQuant's (UltraQuant's) boundary layers of a dense model
         and (bool(rt.get("kv_cache_dtype_skip_layers")) or (_packs_boundary(rt) and "M" not in m["layers"]))
     ),
+    "pipeline stages (PP > 1)": lambda m, rt: rt.get("pipeline_parallel_size", 1) > 1,
+    "hybrid KV cache manager disabled": lambda m, rt: rt.get("disable_hybrid_kv_cache_manager", False),
     # spec-level (``m`` is the [[layer_specs]] list): MLA layers and regular sliding-window layers
     "MLA next to sliding-window layers (spec-level)": lambda m, rt: (
         {"mla", "sliding_window"} <= {e["kind"] for e in m}

@@ -359,3 +359,24 @@ def test_the_regressions_one_sequence_estimate_is_asked_at_the_selected_releases
     for release in ("0.24", "0.25", "0.33"):
         one_sequence_bytes(Recording(), reference_rules(rule_set(release)), s)
     assert asked == [16, 32, 32]
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_every_packaged_expectation_holds_under_each_release(release):
+    """Each packaged scenario's ``[expect]``, as ``expect_for`` reads it for ``release`` (its
+    ``[expect.before.<change>]`` tables), is the plan the reference of that release composes:
+    numbers derived by hand (docs/scenario-derivations.md) against the rules of every release,
+    not only the installed one."""
+    from pytest_kvconform.conformance import NotApplicable
+    from pytest_kvconform.reference.rules import reference_rules
+    from pytest_kvconform.scenario import packaged_scenario_names
+
+    reference = reference_rules(rule_set(release))
+    judged = 0
+    for name in packaged_scenario_names():
+        try:
+            checks.expectations(reference, reference, load_scenario(name))
+            judged += 1
+        except NotApplicable:
+            continue
+    assert judged >= 30

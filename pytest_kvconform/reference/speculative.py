@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..rejections import Rejected
 from ..scenario import Scenario
 from .releases import LATEST, RuleSet
 from .specs import AttentionSpec, KVCacheSpec
@@ -110,6 +111,35 @@ MTP_PREFIXED_ARCHITECTURES = (
     "Qwen3NextForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration",
     "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "NemotronHForCausalLM", "MiMoForCausalLM",
 )  # fmt: skip
+
+
+#: Target -> whether its MTP model implements ``SupportsPP``: always (True), from the release
+#: that has a change of :data:`.releases.CHANGES` (its name), or in no release 0.23 ... 0.33
+#: (False); read in each wheel (vllm/model_executor/models/*_mtp.py).
+MTP_SUPPORTS_PP: dict[str, bool | str] = {
+    "DeepseekV3ForCausalLM": "mtp_pipeline_parallel", "DeepseekV2ForCausalLM": "mtp_pipeline_parallel",
+    "Qwen3_5ForConditionalGeneration": "mtp_pipeline_parallel",
+    "Qwen3_5MoeForConditionalGeneration": "mtp_pipeline_parallel",
+    "Qwen3NextForCausalLM": False, "Glm4MoeLiteForCausalLM": True,
+}  # fmt: skip
+
+
+def verify_drafter_pipeline(scenario: Scenario, release: RuleSet = LATEST) -> None:
+    """Pipeline stages with an MTP drafter whose model does not implement ``SupportsPP``:
+    ``ModelConfig.verify_with_parallel_config`` (vllm/config/model.py) refuses the draft model's
+    config when the engine is configured (``NotImplementedError``, as for a target without it)."""
+    model = scenario.model
+    if model is None or scenario.runtime.pipeline_parallel_size == 1 or not num_draft_layers(scenario):
+        return
+    supported = MTP_SUPPORTS_PP.get(model.architecture)
+    if supported is None:
+        raise Rejected("not_modelled", f"whether {model.architecture}'s MTP model supports pipeline "
+                       "parallelism is not modelled")  # fmt: skip
+    if not (supported is True or (isinstance(supported, str) and release.has(supported))):
+        raise NotImplementedError(
+            "Pipeline parallelism is not supported for this model. Supported models implement the "
+            "`SupportsPP` interface."
+        )
 
 
 def draft_layer_names(scenario: Scenario) -> list[str]:
