@@ -43,6 +43,17 @@ def distinct(specs: dict[str, Any], kind: type) -> list[Any]:
     return list(dict.fromkeys(s for s in specs.values() if isinstance(s, kind)))
 
 
+def reference_choice(reference: Any, scenario: Scenario) -> Any:
+    """The reference's block choice; a scenario the engine refuses before it chooses one (its
+    config, the model's construction: ``refuse_before_sizing``) has none to check against."""
+    answer = outcome(reference, "choose_block_size", scenario=scenario)
+    if answer[0] != "ok":
+        raise NotApplicable(
+            f"the engine refuses this scenario before it has a block ({answer[1]}); the plan compares that"
+        )
+    return answer[1]
+
+
 def reference_specs(reference: Any, scenario: Scenario) -> dict[str, Any]:
     """The reference's layer specs; a scenario the reference rejects has none to hand on."""
     answer = outcome(reference, "layer_specs", scenario=scenario)
@@ -213,12 +224,7 @@ def estimate_max_model_len(backend: Any, reference: Any, scenario: Scenario, fra
 def one_sequence_bytes(backend: Any, reference: Any, scenario: Scenario) -> None:
     if scenario.is_spec_level:
         raise NotApplicable("the one-sequence estimate needs a model-level scenario")
-    answer = outcome(reference, "choose_block_size", scenario=scenario)
-    if answer[0] != "ok":
-        raise NotApplicable(
-            f"the reference rejects this scenario's block ({answer[1]}); test_choose_block_size checks that"
-        )
-    choice = answer[1]
+    choice = reference_choice(reference, scenario)
     inputs = (choice.block_size, choice.state_page_padded)
     expected = reference.one_sequence_bytes(*inputs, scenario=scenario)
     got = call_rule(backend, "one_sequence_bytes", *inputs, scenario=scenario)

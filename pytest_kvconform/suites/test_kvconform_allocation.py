@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from pytest_kvconform.checks import reference_choice
 from pytest_kvconform.conformance import (
     NotApplicable,
     assert_same,
@@ -73,9 +74,7 @@ def test_one_sequence_pool_holds_max_model_len(
     model = kv_scenario.model
     if model is None or not model.num_attention_layers:
         raise NotApplicable("needs a model-level scenario with attention layers")
-    refused = outcome(kv_reference, "choose_block_size", scenario=kv_scenario)
-    if refused[0] != "ok":
-        raise NotApplicable(f"the reference rejects this scenario's block ({refused[1]}): no pool to size")
+    reference_choice(kv_reference, kv_scenario)  # an engine that refuses first has no pool to size
     one_sequence = one_sequence_bytes(kv_backend, kv_reference, kv_scenario)
     num_blocks, block = _blocks_in_one_sequence(kv_scenario, one_sequence)
     length = kv_scenario.runtime.max_model_len

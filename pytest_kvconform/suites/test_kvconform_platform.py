@@ -22,19 +22,11 @@ from typing import Any
 
 import pytest
 
-from pytest_kvconform.conformance import Departure, NotApplicable, call_rule, outcome
+from pytest_kvconform.checks import reference_choice
+from pytest_kvconform.conformance import Departure, NotApplicable, call_rule
 from pytest_kvconform.scenario import Scenario
 
 pytestmark = pytest.mark.kvconform_rule("platform")
-
-
-def _configured(kv_reference: Any, scenario: Scenario) -> None:
-    """Not applicable when the engine refuses the scenario before its hooks run (a setting the
-    release does not take, a parallel layout, an attention backend): there is no config to check;
-    the plan compares the refusal."""
-    answer = outcome(kv_reference, "choose_block_size", scenario=scenario)
-    if answer[0] != "ok":
-        raise NotApplicable(f"the engine refuses this scenario before its hooks run ({answer[1]})")
 
 
 def _fail(backend: Any, scenario: Scenario, field: str, expected: Any, got: Any, what: str) -> None:
@@ -47,7 +39,7 @@ def test_config_hook_is_idempotent(
     kv_backend: Any, kv_reference: Any, kv_scenario: Scenario, hook: str
 ) -> None:
     """The whole ``VllmConfig`` after a second run of the hook equals the config after the first."""
-    _configured(kv_reference, kv_scenario)
+    reference_choice(kv_reference, kv_scenario)  # no config when the engine refuses first
     changes = call_rule(kv_backend, "rerun_hooks", scenario=kv_scenario)[hook]
     if changes:
         first = changes[0]
@@ -57,7 +49,7 @@ def test_config_hook_is_idempotent(
 def test_block_size_is_supported_by_every_attention_backend(
     kv_backend: Any, kv_reference: Any, kv_scenario: Scenario
 ) -> None:
-    _configured(kv_reference, kv_scenario)
+    reference_choice(kv_reference, kv_scenario)  # no config when the engine refuses first
     engine = call_rule(kv_backend, "engine", scenario=kv_scenario)
     block = engine.config.cache_config.block_size
     rt = kv_scenario.runtime
@@ -74,7 +66,7 @@ def test_block_size_is_supported_by_every_attention_backend(
 def test_padded_state_page_equals_the_attention_page(
     kv_backend: Any, kv_reference: Any, kv_scenario: Scenario
 ) -> None:
-    _configured(kv_reference, kv_scenario)
+    reference_choice(kv_reference, kv_scenario)  # no config when the engine refuses first
     engine = call_rule(kv_backend, "engine", scenario=kv_scenario)
     padded = engine.config.cache_config.mamba_page_size_padded
     if padded is None:
