@@ -105,6 +105,13 @@ def _plan(backend: Any, scenario: Any, method: str = "plan") -> Any:
         raise CliError(f"backend {backend.name!r} raised on {scenario.name!r}: {summary(exc)}") from None
 
 
+def refusal(exc: BaseException) -> str:
+    """``Type: message`` of an engine's refusal on one line (pydantic's validation errors, which
+    vLLM's configs raise, span several)."""
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from .errors import REJECTIONS
 
@@ -114,7 +121,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     try:
         result = _plan_with_settings(backend, scenario, release)
     except REJECTIONS as exc:  # a valid scenario that vLLM's own rules reject (e.g. a TP split)
-        print(f"kvconform: {scenario.name}: rejected: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"kvconform: {scenario.name}: rejected: {refusal(exc)}", file=sys.stderr)
         return 1
     print(json.dumps(result, sort_keys=True) if args.json else _format_text(result))
     return 0
@@ -268,7 +275,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     try:
         trace = _trace(reference, scenario)
     except REJECTIONS as exc:
-        print(f"kvconform: {scenario.name}: rejected: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"kvconform: {scenario.name}: rejected: {refusal(exc)}", file=sys.stderr)
         return 1
     if args.svg:
         try:
@@ -310,7 +317,7 @@ def _plan_values(rules: Any, scenario: Any) -> dict[str, Any]:
     try:
         return {"plan": "accepted", **_plan(rules, scenario).to_dict()}
     except REJECTIONS as exc:
-        return {"plan": f"rejected: {type(exc).__name__}" + (f": {exc}" if str(exc) else "")}
+        return {"plan": f"rejected: {refusal(exc)}"}
 
 
 def _changed(a: dict[str, Any], b: dict[str, Any]) -> list[str]:

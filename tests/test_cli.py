@@ -99,6 +99,22 @@ def test_rule_rejection_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
     assert "Tensor parallel world size must divide num heads." in err
 
 
+def test_a_refusal_prints_on_one_line() -> None:
+    """vLLM's configs refuse through pydantic, whose message spans lines (vLLM 0.32's CacheConfig
+    for --mamba-cache-mode all); kvconform prints every refusal as one line."""
+    from pytest_kvconform.cli import refusal
+
+    pydantic_like = ValueError(
+        "1 validation error for CacheConfig\nmamba_cache_mode\n  Input should be 'align' or 'none' "
+        "[type=literal_error, input_value='all', input_type=str]"
+    )
+    assert refusal(pydantic_like) == (
+        "ValueError: 1 validation error for CacheConfig mamba_cache_mode Input should be 'align' or "
+        "'none' [type=literal_error, input_value='all', input_type=str]"
+    )
+    assert refusal(NotImplementedError()) == "NotImplementedError"
+
+
 def test_console_script_entry_point() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "pytest_kvconform.cli", "list"], capture_output=True, text=True, check=True
