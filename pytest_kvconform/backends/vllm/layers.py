@@ -13,7 +13,9 @@ and a tensor-parallel group of the scenario's size on one process (layers read o
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -71,7 +73,9 @@ def _ensure_distributed() -> None:
 
     if _DISTRIBUTED:
         return
-    init_file = Path(tempfile.mkdtemp(prefix="kvconform-dist-")) / "init"
+    folder = Path(tempfile.mkdtemp(prefix="kvconform-dist-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    init_file = folder / "init"
     if not ps.model_parallel_is_initialized():
         with set_current_vllm_config(config_without_model()):
             ps.init_distributed_environment(
