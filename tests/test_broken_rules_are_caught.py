@@ -151,6 +151,20 @@ class IgnoresPipeline(Broken):
         return s.with_runtime(pipeline_parallel_size=1)
 
 
+class PipelineBatchesAsOne(ReferenceBackend):
+    """A pipeline's default batches in flight taken as one engine's (2 with async scheduling), not
+    the V2 model runner's pp + 1 (VllmConfig.max_concurrent_batches)."""
+    name = "pipeline-batches-as-one"
+    def plan(self, scenario):
+        from pytest_kvconform.reference import defaults
+        derive = defaults.max_concurrent_batches
+        with mock.patch.dict(
+            defaults.DERIVATIONS,
+            {"max_concurrent_batches": lambda s, r: derive(s.with_runtime(pipeline_parallel_size=1), r)},
+        ):
+            return super().plan(scenario)
+
+
 class MambaAllAsAlign(Broken):
     """--mamba-cache-mode all planned as align: the block not aligned to the Mamba chunk, one
     state per request instead of one per block."""
@@ -255,6 +269,7 @@ class PlanNotProvided(ReferenceBackend):
         ("IgnoresPipeline", {"deepseek-v3-fp8-pp4", "qwen3-next-80b-a3b-pp2", "deepseek-v3-fp8-dcp8-pp4"}),
         ("FirstStageOnly", {"deepseek-v3-fp8-pp4", "deepseek-v3-fp8-dcp8-pp4"}),  # stage 0: 15 layers, 2: 16
         ("NoPoolWithoutGroups", {"all-minilm-l6-v2"}),
+        ("PipelineBatchesAsOne", {"mistral-7b-v0.1-pp2"}),
         ("MambaAllAsAlign@0.31", {"granite-4.0-h-tiny-mamba-all"}),  # 0.23 ... 0.31 plan "all"
         ("MambaAllAfterRemoval@0.32", {"granite-4.0-h-tiny-mamba-all"}),  # 0.32+ refuse it
     ],

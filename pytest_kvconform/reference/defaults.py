@@ -7,10 +7,11 @@ release by release). :func:`engine_defaults` applies them; it is the first step 
 (``ReferenceRules.engine_defaults``) and the returned scenario lists what it applied
 (``Scenario.defaults_applied``), each with the vLLM function that sets it.
 
-Scope, as the scenario format's: a generative model (no pooling runner), pipeline parallel size 1,
-vLLM core's platform (a platform's ``check_and_update_config`` runs after these defaults and is
-the plan's next step). A spec-level scenario has no model for the engine's model hooks: its
-unset keys keep the format's values.
+Scope, as the scenario format's: a generative model (no pooling runner) on a GPU engine (Triton
+present: the V2 model runner where the release defaults to it), vLLM core's platform (a
+platform's ``check_and_update_config`` runs after these defaults and is the plan's next step).
+A spec-level scenario has no model for the engine's model hooks: its unset keys keep the
+format's values.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 from ..rejections import Rejected
 from ..scenario import Scenario
 from .releases import RuleSet
-from .speculative import speculative_method
+from .speculative import OWN_CHECKPOINT_METHODS, speculative_method
 
 #: Where each default is set (vLLM 0.23 ... 0.33; docs/engine-defaults.md).
 PREFIX_CACHING = (
@@ -52,20 +53,42 @@ def mamba_cache_mode(scenario: Scenario, release: RuleSet) -> tuple[str, str]:
 
 
 def max_concurrent_batches(scenario: Scenario, release: RuleSet) -> tuple[int, str]:
-    """``VllmConfig.max_concurrent_batches`` at pipeline parallel size 1: 2 when async scheduling
-    is on by default, 1 when the speculative method turns it off; and why."""
+    """``VllmConfig.max_concurrent_batches`` with async scheduling left to its default, and why:
+    one batch, or two with async scheduling, at pipeline parallel size 1; a pipeline of ``pp``
+    stages keeps ``pp`` batches in flight, ``pp + 1`` with async scheduling on the V2 model runner
+    (the default for every generative model from vLLM 0.29: ``v2_model_runner_default``)."""
     if scenario.model is None:
         return 1, "spec-level: no model for the engine's defaults; the format's value"
-    if scenario.runtime.pipeline_parallel_size > 1:  # pp_size, or pp_size + 1 on the V2 runner's async path
-        raise Rejected(
-            "not_modelled", "max_concurrent_batches of a pipeline-parallel engine is not modelled: state it"
-        )
     method = speculative_method(scenario)
     off = {
         "ngram": not release.has("async_scheduling_ngram_v2_runner"),
         "draft_model": not release.has("async_scheduling_draft_model"),
     }
-    if off.get(method or "", False):
+    async_on = not off.get(method or "", False)
+    pp = scenario.runtime.pipeline_parallel_size
+    if pp > 1:
+        if not release.has("v2_model_runner_default"):
+            raise Rejected(
+                "not_modelled",
+                "max_concurrent_batches of a pipeline before vLLM 0.29: the model runner, and so the "
+                "batches in flight, depends on the architecture, MoE and quantization: state it",
+            )
+        if method in OWN_CHECKPOINT_METHODS:
+            raise Rejected(
+                "not_modelled",
+                f"max_concurrent_batches of a pipeline with speculative method {method}: state it",
+            )
+        if not async_on:
+            return (
+                pp,
+                f"speculative method {method}: async scheduling off by default, {pp} pipeline stages "
+                f"({ASYNC_SCHEDULING})",
+            )
+        return pp + 1, (
+            f"async scheduling on by default on the V2 model runner: {pp} pipeline stages + 1 "
+            f"({ASYNC_SCHEDULING}, VllmConfig.use_v2_model_runner)"
+        )
+    if not async_on:
         return 1, f"speculative method {method}: async scheduling off by default ({ASYNC_SCHEDULING})"
     drafter = f" with speculative method {method}" if method else ""
     return 2, f"async scheduling on by default{drafter} ({ASYNC_SCHEDULING})"

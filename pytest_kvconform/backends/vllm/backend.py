@@ -54,6 +54,7 @@ from .platform import (
     platform_scope,
     resolve_platform,
     scenario_after,
+    triton_probe,
 )
 from .runtime import (
     INSTALL_HINT,
@@ -186,6 +187,10 @@ class VllmBackend(ReferenceBackend):
     #: plugin whose config hooks act only on its own device type names that type.
     engine_device: ClassVar[str] = "cpu"
 
+    #: Whether the platform's device host has Triton (:meth:`has_triton`): a plugin whose device
+    #: host has none (TPU, RBLN) says False in its profile.
+    device_has_triton: ClassVar[bool] = True
+
     #: The worker class whose ``get_kv_cache_spec`` and ``determine_available_memory`` answer:
     #: None is vLLM core's GPU worker; a class or ``"package.module:Class"`` names a plugin's
     #: (built without a device, :mod:`.worker`).
@@ -238,6 +243,14 @@ class VllmBackend(ReferenceBackend):
 
     # ------------------------------------------------------------------ the platform
 
+    def has_triton(self, platform: type) -> bool:
+        """What ``HAS_TRITON`` answers under ``platform`` (:func:`.platform.triton_probe`), which
+        picks the model runner (``VllmConfig.use_v2_model_runner``) and with it a pipeline's
+        default batches in flight: a GPU engine's host, vLLM core's or a plugin's, has Triton;
+        vLLM's CPU build has none; a profile whose device host has none says so
+        (:attr:`device_has_triton`)."""
+        return self.device_has_triton and platform.__module__ != "vllm.platforms.cpu"
+
     def platform_for(self, scenario: Scenario | None) -> type:
         """The platform class answering for ``scenario`` (the neutral one carries its kernel
         block alignment); resolving it imports vLLM."""
@@ -253,7 +266,10 @@ class VllmBackend(ReferenceBackend):
         platform = self.platform_for(scenario)
         env = scenario.runtime.env if scenario is not None else ()
         device = engine_device(self.engine_device)
-        with scenario_env(env), platform_scope(platform) as log, cpu_probes(self.cpu_features), device:
+        with (
+            scenario_env(env), platform_scope(platform) as log, cpu_probes(self.cpu_features),
+            triton_probe(self.has_triton(platform)), device,
+        ):  # fmt: skip
             if scenario is not None:  # what the platform registers when it is activated
                 register_kv_cache_dtypes(scenario.runtime.registered_kv_cache_dtypes)
             yield platform
@@ -297,7 +313,7 @@ class VllmBackend(ReferenceBackend):
             "max_concurrent_batches" in rt.unset
             and rule_set(self.version, newer_is_latest=True).has("async_scheduling_ngram_v2_runner")
         )  # fmt: skip
-        if method == "ngram" and async_scheduling and not _has_triton():
+        if method == "ngram" and async_scheduling and not self.has_triton(self.platform_for(scenario)):
             raise UnsupportedByVllmError(
                 "cpu_build",
                 "without Triton vLLM picks the V1 model runner (VllmConfig.use_v2_model_runner), "
@@ -608,15 +624,6 @@ def _current_config(config: Any) -> Iterator[None]:
 #: "rerun_hooks" in front -> what rerun_hooks found on a copy of that engine
 _ENGINES: dict[tuple[Any, ...], Any] = {}
 CACHES.append(_ENGINES)
-
-
-def _has_triton() -> bool:
-    """Whether this vLLM has Triton (``vllm.triton_utils.HAS_TRITON``; the CPU builds do not)."""
-    try:
-        from vllm.triton_utils import HAS_TRITON
-    except ImportError:
-        return False
-    return bool(HAS_TRITON)
 
 
 @contextlib.contextmanager

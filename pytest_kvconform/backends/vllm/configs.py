@@ -153,17 +153,25 @@ def _dense_only(model: ModelGeometry) -> None:
 
 @writer("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 def dense_gqa(scenario: Scenario, common: dict[str, Any]) -> dict[str, Any]:
-    """Dense decoders whose every layer is full GQA attention (configuration_llama and kin)."""
+    """Dense decoders whose every layer is full GQA attention (configuration_llama and kin), or,
+    for Mistral, every layer sliding (configuration_mistral's ``sliding_window``, Mistral-7B-v0.1's
+    4096), spelled as ``layer_types`` too: vLLM's ``LlamaAttention`` reads a layer's window from it."""
     model = scenario.model
-    assert model is not None
-    _dense_only(model)
+    assert model is not None and model.attention is not None
+    sliding = model.architecture == "MistralForCausalLM" and set(model.layers) == {"S"}
+    if not sliding:
+        _dense_only(model)
     model_type = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                   "Qwen3ForCausalLM": "qwen3"}[model.architecture]  # fmt: skip
-    return {
-        **common,
-        **attention_fields(scenario),
-        "model_type": model_type,
-    }
+    window = (
+        {
+            "sliding_window": model.attention.sliding_window,
+            "layer_types": ["sliding_attention"] * len(model.layers),
+        }
+        if sliding
+        else {}
+    )
+    return {**common, **attention_fields(scenario), "model_type": model_type, **window}
 
 
 @writer("BertModel")
@@ -288,12 +296,13 @@ def gemma4(scenario: Scenario, common: dict[str, Any]) -> dict[str, Any]:
             "no_config_writer",
             f"{model.architecture}: Gemma4TextConfig forces the last layer to full attention",
         )
-    fields = attention_fields(scenario, per_layer=True)
+    fields, arch = attention_fields(scenario, per_layer=True), model.architecture
     if not attn.num_attention_heads and attn.num_global_kv_heads:  # the full layers group them too
         fields["num_attention_heads"] = math.lcm(fields["num_attention_heads"], attn.num_global_kv_heads)
     fields["hidden_size"] = 1024  # Gemma 4 keeps head_dim apart from hidden_size / heads
     return {
         **common, **fields, "architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text",
+        **({} if arch == "Gemma4ForCausalLM" else {"kvconform_substitutes": arch}),
         "layer_types": ["sliding_attention" if c == "S" else "full_attention" for c in model.layers],
         "sliding_window": attn.sliding_window or 4096,
         "global_head_dim": attn.global_head_dim or attn.head_dim,

@@ -26,7 +26,7 @@ from ...scenario import Scenario
 from .attention import CPU_BUILD_LACKS
 from .config_view import parallel_config
 from .configs import QWEN35, hf_config_dict
-from .platform import HookChange, current_log, platform_scope, read_setting, resolve_platform
+from .platform import HookChange, current_log, is_neutral, platform_scope, read_setting, resolve_platform
 from .private import private
 from .runtime import UnsupportedByVllmError
 
@@ -146,12 +146,15 @@ def vllm_config(scenario: Scenario, platform: type) -> Any:
             f"not the scenario's max_position_embeddings {rt.max_model_len}",
         )
     pp = rt.pipeline_parallel_size
-    if rt.max_concurrent_batches not in ((1, 2) if pp == 1 else (pp,)):
+    # async scheduling adds a batch in flight: 2 at PP 1, pp + 1 on the V2 model runner (the
+    # neutral platform's GPU engine: platform.triton_probe; a CPU build's V1 runner keeps pp)
+    batches = {1, 2} if pp == 1 else {pp, pp + 1} if is_neutral(platform) else {pp}
+    if "max_concurrent_batches" not in rt.unset and rt.max_concurrent_batches not in batches:
         raise UnsupportedByVllmError(
             "offline_config",
             f"max_concurrent_batches={rt.max_concurrent_batches} at pipeline parallel size {pp}: vLLM "
-            "derives it from async scheduling (2) or the pipeline (its size; the V1 model runner of a "
-            "CPU build schedules a pipeline synchronously), which the offline config cannot give",
+            f"derives it from the pipeline and async scheduling ({' or '.join(map(str, sorted(batches)))} "
+            "here), which the offline config cannot set otherwise",
         )
     register_kv_cache_dtypes(rt.registered_kv_cache_dtypes)
     if rt.kv_cache_dtype == "ultraquant_4bit":  # also when every attention layer is a skip layer:
@@ -177,11 +180,9 @@ def vllm_config(scenario: Scenario, platform: type) -> Any:
     # the boundary layers EngineArgs.create_engine_config adds to --kv-cache-dtype-skip-layers
     stated = rt.kv_cache_dtype_skip_layers
     cache.kv_cache_dtype_skip_layers = skip_layers(stated, rt.kv_cache_dtype, model_config)
-    # max_concurrent_batches: 2 with async scheduling (a pipeline: its size, synchronous);
+    # max_concurrent_batches: one more batch than the pipeline's stages with async scheduling;
     # unset: VllmConfig's default decides
-    async_scheduling = (
-        None if "max_concurrent_batches" in rt.unset else (pp, rt.max_concurrent_batches) == (1, 2)
-    )
+    async_scheduling = None if "max_concurrent_batches" in rt.unset else rt.max_concurrent_batches == pp + 1
     scheduler = SchedulerConfig(
         max_model_len=rt.max_model_len, is_encoder_decoder=False,
         max_num_batched_tokens=rt.max_num_batched_tokens,
@@ -236,7 +237,13 @@ def engine_defaults(scenario: Scenario, platform: type) -> Scenario:
         applied.append(f"mamba_cache_mode = {mode!r}: {why}")
     if "max_concurrent_batches" in rt.unset:
         path = "scheduler_config.async_scheduling"
-        batches = (2 if hooked[path] else 1) if path in hooked else int(config.max_concurrent_batches)
+        scheduler = config.scheduler_config
+        if path in hooked:  # VllmConfig's default is what the platform's hook found
+            scheduler.async_scheduling, after = hooked[path], scheduler.async_scheduling
+            batches = int(config.max_concurrent_batches)
+            scheduler.async_scheduling = after
+        else:
+            batches = int(config.max_concurrent_batches)
         values["max_concurrent_batches"] = batches
         applied.append(
             f"max_concurrent_batches = {batches}: {vllm} set it: VllmConfig.max_concurrent_batches, "

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import importlib
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -306,7 +307,8 @@ RUNTIME_OF_SETTING = {
 def scenario_after(scenario: Any, changes: list[HookChange]) -> Any:
     """``scenario`` with what a platform's ``check_and_update_config`` changed, where the scenario
     format can say it: a block size it sets is a ``--block-size`` (Phase 1 then keeps it), async
-    scheduling is ``max_concurrent_batches`` 2. Other changes (a padded Mamba page, the hybrid
+    scheduling one more batch in flight than the pipeline's stages (``max_concurrent_batches``).
+    Other changes (a padded Mamba page, the hybrid
     manager switched off) have no scenario key; the backend keeps them as departures."""
     runtime: dict[str, Any] = {}
     for change in changes:
@@ -314,8 +316,9 @@ def scenario_after(scenario: Any, changes: list[HookChange]) -> Any:
         if key is None or change.after is None:
             continue
         value = change.after
-        if key == "max_concurrent_batches":
-            value = 2 if value else 1
+        if key == "max_concurrent_batches":  # VllmConfig.max_concurrent_batches (V2 runner, or PP 1)
+            pp = scenario.runtime.pipeline_parallel_size
+            value = pp + 1 if value else pp
         elif key == "block_size":
             runtime["user_specified_block_size"] = True
         runtime[key] = value
@@ -368,6 +371,28 @@ def cpu_probes(features: str) -> Iterator[None]:
     finally:
         for name, probe in saved.items():
             setattr(cpu, name, probe)
+
+
+#: The modules whose ``HAS_TRITON`` decides the model runner: ``VllmConfig.use_v2_model_runner``
+#: and, from vLLM 0.33, ``Worker.__init__``'s check of that choice
+TRITON_READERS = ("vllm.config.vllm", "vllm.v1.worker.gpu_worker")
+
+
+@contextlib.contextmanager
+def triton_probe(present: bool) -> Iterator[None]:
+    """``HAS_TRITON`` answers ``present`` where the model runner is chosen (:data:`TRITON_READERS`),
+    whatever this host has: a GPU engine's host has Triton (its V2 model runner default decides
+    the batches a pipeline keeps in flight), vLLM's CPU build and some plugins' device hosts have
+    none (``VllmBackend.has_triton``)."""
+    modules = [m for m in map(importlib.import_module, TRITON_READERS) if hasattr(m, "HAS_TRITON")]
+    saved = [module.HAS_TRITON for module in modules]
+    try:
+        for module in modules:
+            module.HAS_TRITON = present
+        yield
+    finally:
+        for module, value in zip(modules, saved, strict=True):
+            module.HAS_TRITON = value
 
 
 def current_log() -> HookLog | None:

@@ -257,6 +257,8 @@ class TpuInferenceBackend(PluginProfile):
 
     name: ClassVar[str] = "tpu-inference"
     distribution: ClassVar[str] = "tpu-inference"
+    #: a TPU host runs JAX/Pallas kernels, no Triton: VllmConfig.use_v2_model_runner keeps the V1 model runner
+    device_has_triton: ClassVar[bool] = False
     install_hint: ClassVar[str] = "bash scripts/install-tpu-inference.sh (tpu-inference 0.32.0 in .venv-tpu)"
     platform: ClassVar[type | str | None] = "tpu_inference.platforms.tpu_platform:TpuPlatform"
     worker: ClassVar[type | str | None] = "tpu_inference.worker.tpu_worker:TPUWorker"

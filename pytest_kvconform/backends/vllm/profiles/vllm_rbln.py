@@ -41,6 +41,8 @@ class VllmRblnBackend(PluginProfile):
 
     name: ClassVar[str] = "vllm-rbln"
     distribution: ClassVar[str] = "vllm-rbln"
+    #: an RBLN NPU host has no Triton: VllmConfig.use_v2_model_runner keeps the V1 model runner
+    device_has_triton: ClassVar[bool] = False
     install_hint: ClassVar[str] = "bash scripts/install-vllm-rbln.sh (vllm-rbln 0.12.0 in .venv-rbln)"
     platform: ClassVar[type | str | None] = "vllm_rbln.platform:RblnPlatform"
     worker: ClassVar[type | str | None] = "vllm_rbln.v1.worker.rbln_worker:RBLNWorker"
