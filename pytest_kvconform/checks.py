@@ -363,8 +363,12 @@ def suite_test(check: Check) -> Callable[..., None]:
 
 
 def scenario_id(scenario: Scenario) -> str:
-    """The scenario's test id: its file's stem, else its name."""
-    return Path(scenario.source).stem if scenario.source.endswith(".toml") else scenario.name
+    """The scenario's test id: its file's stem, ``<model directory>-config`` for one read from a
+    model's config.json, else its name."""
+    source = Path(scenario.source)
+    if source.suffix == ".toml":
+        return source.stem
+    return f"{source.parent.name}-config" if source.name == "config.json" else scenario.name
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,16 @@
 """``kvconform``: plan a scenario from the command line.
 
 kvconform plan granite-4.0-h-tiny --set max_model_len=2048 [--vllm 0.29] --json
+kvconform plan path/to/config.json --block-size 400 [vllm serve's sizing options]
+kvconform scenario path/to/model-dir [vllm serve's sizing options] > model.toml
 kvconform check --backend metal [SCENARIO|FILE|DIR ...] [--vllm RELEASE] [--json] [--report PATH]
 kvconform explain granite-4.0-h-tiny [--backend X] [--vllm RELEASE] [--svg block.svg]
 kvconform diff granite-4.0-h-tiny --vllm 0.27 --vllm 0.33 [--set KEY=VALUE] [--json]
 kvconform list
+
+Wherever a scenario is taken, a model's config.json (or the directory holding it) is too, read
+offline (:mod:`.hf_config`); ``vllm serve``'s sizing options (``--block-size``, ``--kv-cache-dtype``,
+``--max-model-len``, ...) set the runtime of either, ``--set KEY=VALUE`` any ``[runtime]`` key.
 
 ``--vllm RELEASE``: the vLLM release whose rules the reference (and a backend built on it)
 applies; default: the installed vLLM's release, else the newest. ``diff`` plans with the
@@ -71,8 +77,28 @@ def _format_text(plan: dict[str, object]) -> str:
     return "\n".join(line for k, v in plan.items() for line in lines(k, v))
 
 
+def _serve_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``[runtime]`` values of the ``vllm serve`` options given (:func:`_add_serve_args`)."""
+    from .hf_config import SERVE_OPTIONS, serve_settings
+
+    given = {option: getattr(args, _dest(option), None) for option in (*SERVE_OPTIONS, *_SERVE_FLAGS)}
+    return serve_settings(given)
+
+
+def _load(item: str, args: argparse.Namespace) -> Any:
+    """A packaged name, a scenario TOML, or a config.json (or its model directory), with the
+    ``vllm serve`` options given."""
+    from .hf_config import is_config_path, load_config_scenario
+
+    runtime = _serve_settings(args)
+    if is_config_path(item):
+        return load_config_scenario(item, runtime)
+    scenario = load_scenario(item)
+    return scenario.with_runtime(**runtime) if runtime else scenario
+
+
 def _scenario(args: argparse.Namespace) -> Any:
-    scenario = load_scenario(args.scenario)
+    scenario = _load(args.scenario, args)
     if args.settings:
         scenario = scenario.with_runtime(**dict(_parse_set(s) for s in args.settings))
     return scenario
@@ -176,21 +202,23 @@ def _judged(args: argparse.Namespace) -> tuple[Any, Any, tuple[Any, str]]:
     return backend, with_release(ReferenceBackend(), release[0]), release
 
 
-def _scenarios(items: Sequence[str]) -> list[Any]:
-    """Packaged scenarios when ``items`` is empty; else each name or file, and every ``*.toml`` of
-    each folder."""
+def _scenarios(items: Sequence[str], args: argparse.Namespace) -> list[Any]:
+    """Packaged scenarios when ``items`` is empty; else each name, file or model directory, and
+    every ``*.toml`` of another folder; each with the ``vllm serve`` options given."""
+    from .hf_config import is_config_path
+
     if not items:
-        return [load_scenario(n) for n in packaged_scenario_names()]
+        return [_load(n, args) for n in packaged_scenario_names()]
     found = []
     for item in items:
         path = Path(item)
-        if path.is_dir():
+        if path.is_dir() and not is_config_path(path):
             files = sorted(path.glob("*.toml"))
             if not files:
-                raise CliError(f"{item}: no *.toml scenario files in this folder")
-            found += [load_scenario(f) for f in files]
+                raise CliError(f"{item}: no *.toml scenario files nor a config.json in this folder")
+            found += [_load(str(f), args) for f in files]
         else:
-            found.append(load_scenario(item))
+            found.append(_load(item, args))
     return found
 
 
@@ -212,7 +240,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     from .provenance import is_oracle
     from .report import format_matrix, matrix_of, report_document, write_report
 
-    scenarios = _scenarios(args.scenarios)
+    scenarios = _scenarios(args.scenarios, args)
     backend, reference, (release, selected_by) = _judged(args)
     xfails: list[Any] = []
     if args.xfails:
@@ -270,7 +298,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     from .errors import REJECTIONS
     from .explain import block_svg, compare_traces, format_trace
 
-    scenario = load_scenario(args.scenario)
+    scenario = _load(args.scenario, args)
     backend, reference, _ = _judged(args)
     try:
         trace = _trace(reference, scenario)
@@ -422,6 +450,48 @@ def cmd_diff(args: argparse.Namespace) -> int:
     return 0
 
 
+#: ``vllm serve``'s switches besides :data:`~.hf_config.SERVE_OPTIONS`
+_SERVE_FLAGS = ("--async-scheduling", "--disable-hybrid-kv-cache-manager", "--kv-cache-dtype-skip-layers")
+
+
+def _dest(option: str) -> str:
+    return "serve_" + option.removeprefix("--").replace("-", "_")
+
+
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    """``vllm serve``'s sizing options, spelled as it spells them; one not given is left to the
+    scenario (a config.json: the engine's default)."""
+    from .hf_config import SERVE_OPTIONS
+
+    group = p.add_argument_group("vllm serve options (the scenario's [runtime])")
+    for option, (key, kind) in SERVE_OPTIONS.items():
+        group.add_argument(
+            option, dest=_dest(option), type=kind, metavar=key.upper(), help=f"[runtime] {key}"
+        )
+    flag = "--async-scheduling"
+    group.add_argument(
+        flag,
+        dest=_dest(flag),
+        default=None,
+        action=argparse.BooleanOptionalAction,
+        help="max_concurrent_batches: the pipeline's stages + 1 with, the stages without",
+    )
+    flag = "--disable-hybrid-kv-cache-manager"
+    group.add_argument(flag, dest=_dest(flag), action="store_true", default=None,
+                       help="[runtime] disable_hybrid_kv_cache_manager")  # fmt: skip
+    flag = "--kv-cache-dtype-skip-layers"
+    group.add_argument(flag, dest=_dest(flag), metavar="LAYERS",
+                       help="comma-separated layer indices or sliding_window")  # fmt: skip
+
+
+def cmd_scenario(args: argparse.Namespace) -> int:
+    """Print the ``kv-scenario/1`` TOML of a config.json (or model directory)."""
+    from .hf_config import scenario_toml
+
+    print(scenario_toml(args.path, _serve_settings(args), args.name), end="")
+    return 0
+
+
 def _add_backend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="reference", help="backend to plan with (default: reference)")
     p.add_argument("--backend-option", dest="backend_options", action="append", default=[],
@@ -437,8 +507,9 @@ def parser() -> argparse.ArgumentParser:
         prog="kvconform", description="KV-cache sizing reference for vLLM backends"
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("plan", help="plan one scenario (a packaged name or a TOML path)")
+    p = sub.add_parser("plan", help="plan one scenario (a packaged name, a TOML path or a config.json)")
     p.add_argument("scenario")
+    _add_serve_args(p)
     p.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE",
                    help="override a [runtime] setting; repeatable")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -449,8 +520,10 @@ def parser() -> argparse.ArgumentParser:
         "scenarios",
         nargs="*",
         metavar="SCENARIO",
-        help="packaged scenario names, TOML files or folders of *.toml (default: all packaged)",
+        help="packaged scenario names, TOML files, config.json files, model directories or folders of "
+        "*.toml (default: all packaged)",
     )
+    _add_serve_args(p)
     p.add_argument("--json", action="store_true", help="print the report document (kvconform-report/2)")
     p.add_argument("--report", metavar="PATH", help="also write the report: PATH.json, else Markdown")
     p.add_argument("--xfails", metavar="PATH", help="TOML file of known departures, as --kvconform-xfails")
@@ -463,17 +536,24 @@ def parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_check)
     p = sub.add_parser("explain", help="the derivation of one scenario, step by step")
     p.add_argument("scenario")
+    _add_serve_args(p)
     p.add_argument("--svg", metavar="FILE", help="draw one pool block (pages and padding) of a hybrid")
     _add_backend_args(p)
     p.set_defaults(run=cmd_explain)
     p = sub.add_parser("diff", help="a scenario's plan under one vLLM release's rules and another's")
     p.add_argument("scenario")
+    _add_serve_args(p)
     p.add_argument("--vllm", metavar="RELEASE", action="append", default=[],
                    help="give it twice: the release to move from, then the one to move to")  # fmt: skip
     p.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE",
                    help="override a [runtime] setting; repeatable")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.set_defaults(run=cmd_diff)
+    p = sub.add_parser("scenario", help="print the kv-scenario/1 TOML of a model's config.json (offline)")
+    p.add_argument("path", help="a config.json, or the model directory holding it")
+    p.add_argument("--name", help="the scenario's name (default: the directory's name)")
+    _add_serve_args(p)
+    p.set_defaults(run=cmd_scenario)
     sub.add_parser("list", help="list the packaged scenarios").set_defaults(
         run=lambda args: print("\n".join(packaged_scenario_names())) or 0
     )

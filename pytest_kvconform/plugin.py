@@ -86,7 +86,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="append",
         default=[],
         metavar="PATH",
-        help="extra kv-scenario/1 TOML files or folders for the kv_scenario fixture (repeatable)",
+        help="extra kv-scenario/1 TOML files, models' config.json files or directories, or folders of "
+        "either, for the kv_scenario fixture (repeatable)",
     )
     group.addoption(
         "--kvconform-xfails",
@@ -294,7 +295,9 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
 
 def _scenario_id(scenario: Scenario) -> str:
-    return Path(scenario.source).stem if scenario.source.endswith(".toml") else scenario.name
+    from .checks import scenario_id
+
+    return scenario_id(scenario)
 
 
 # ----------------------------------------------------------------------------- markers

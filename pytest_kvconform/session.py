@@ -151,18 +151,26 @@ class KVConformSession:
             shutil.rmtree(self._hypothesis_dir, ignore_errors=True)
 
     def scenarios(self) -> list[Scenario]:
-        """Packaged scenarios plus every ``*.toml`` under ``--kvconform-scenarios`` (loaded once).
+        """Packaged scenarios plus, under ``--kvconform-scenarios``, every ``*.toml`` and every
+        model's config.json (a model directory, or one a level down; read with the engine's
+        defaults for what it does not say, :mod:`.hf_config`), loaded once.
 
         A malformed file is a usage error naming the file and the key.
         """
         if self._scenarios is None:
+            from .hf_config import is_config_path, load_config_scenario
             from .scenario import ScenarioError, load_scenario, packaged_scenario_names
 
             try:
                 found = [load_scenario(n) for n in packaged_scenario_names()]
                 for path in self.extra_scenario_paths:
+                    if is_config_path(path):
+                        found.append(load_config_scenario(path))
+                        continue
                     files = sorted(path.glob("*.toml")) if path.is_dir() else [path]
                     found.extend(load_scenario(f) for f in files)
+                    models = sorted(p for p in path.glob("*/config.json")) if path.is_dir() else []
+                    found.extend(load_config_scenario(p) for p in models)
             except ScenarioError as exc:
                 raise pytest.UsageError(f"kvconform: bad scenario: {exc}") from None
             self._scenarios = found

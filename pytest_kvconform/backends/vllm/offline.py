@@ -25,7 +25,7 @@ from typing import Any
 from ...scenario import Scenario
 from .attention import CPU_BUILD_LACKS
 from .config_view import parallel_config
-from .configs import QWEN35, hf_config_dict
+from .configs import QWEN35, hf_config_dict, qwen35_model_class_importable
 from .platform import HookChange, current_log, is_neutral, platform_scope, read_setting, resolve_platform
 from .private import private
 from .runtime import UnsupportedByVllmError
@@ -58,8 +58,33 @@ def clear_caches() -> None:
 
 
 def config_json(scenario: Scenario) -> str:
-    """The scenario's config.json text (sorted keys: one text per geometry)."""
+    """The scenario's config.json text (sorted keys: one text per geometry): the model's own file
+    when the scenario was read from one (``kvconform plan path/to/config.json``,
+    :mod:`pytest_kvconform.hf_config`), so that vLLM reads what the reader read; else the one its
+    architecture's writer spells (:mod:`.configs`)."""
+    source = Path(scenario.source)
+    if source.name == "config.json" and source.is_file():
+        own = json.loads(source.read_text(encoding="utf-8"))
+        _own_config_gap(own)
+        return json.dumps(own, sort_keys=True)
     return json.dumps(hf_config_dict(scenario), sort_keys=True)
+
+
+def _own_config_gap(config: dict[str, Any]) -> None:
+    """What of a model's own config.json this CPU build cannot build (the writer's config of the
+    same KV geometry leaves both out): fp8-quantized weights, whose linear layers need a GPU
+    ScaledMM kernel, and a multimodal model class, which imports torchvision (removed by the CPU
+    install)."""
+    quant = config.get("quantization_config") or {}
+    if quant.get("quant_method") == "fp8":
+        raise UnsupportedByVllmError(
+            "cpu_build", "fp8 weights (quantization_config): no ScaledMM kernel in a CPU build of vLLM"
+        )
+    arch = (config.get("architectures") or [""])[0]
+    if arch.endswith("ForConditionalGeneration") and not qwen35_model_class_importable():
+        raise UnsupportedByVllmError(
+            "cpu_build", f"{arch}: its model class imports torchvision, which this install lacks"
+        )
 
 
 def _config_dir(text: str) -> Path:
@@ -124,6 +149,18 @@ def skip_layers(stated: tuple[str, ...], cache_dtype: str, model_config: Any) ->
     return sorted(set(stated) | set(boundary))
 
 
+def _model_sliding_window(model_config: Any) -> int | None:
+    """``CacheConfig.sliding_window`` as ``EngineArgs.create_engine_config`` sets it
+    (vllm/engine/arg_utils.py, 0.32 and 0.33; 0.23 asks ``is_interleaved``, the same for every
+    packaged model): the model's window unless ``layer_types`` interleave other layers with
+    sliding ones. A model whose layers take no window of their own (Mistral-7B-v0.1: a
+    ``sliding_window`` and no ``layer_types``) then slides on every layer (``Attention.__init__``)."""
+    layer_types = getattr(model_config.hf_text_config, "layer_types", None)
+    if layer_types is not None and any(kind != "sliding_attention" for kind in layer_types):
+        return None
+    return model_config.get_sliding_window()
+
+
 def vllm_config(scenario: Scenario, platform: type) -> Any:
     """The scenario's ``VllmConfig``; call it inside ``platform_scope(platform)``. A setting the
     scenario leaves unset (``RuntimeSettings.unset``) is left unset to vLLM, whose own defaulting
@@ -175,6 +212,7 @@ def vllm_config(scenario: Scenario, platform: type) -> Any:
         cache_dtype=rt.kv_cache_dtype, mamba_cache_dtype=rt.mamba_cache_dtype,
         mamba_ssm_cache_dtype=rt.mamba_ssm_cache_dtype, num_gpu_blocks_override=rt.num_gpu_blocks_override,
         kv_cache_memory_bytes=rt.kv_cache_memory_bytes,  # --kv-cache-memory-bytes: what the worker reports
+        sliding_window=_model_sliding_window(model_config),
         **mode,
     )  # fmt: skip
     # the boundary layers EngineArgs.create_engine_config adds to --kv-cache-dtype-skip-layers

@@ -1,0 +1,254 @@
+"""A model's config.json read as a scenario (pytest_kvconform/hf_config.py).
+
+Three directions: the packaged scenarios written as config.json by the vllm backend's writers and
+read back (round trip, every architecture with a writer); real config.json files of models the
+packaged scenarios cite (tests/data/configs, sources in its README.md) read into the packaged
+geometry; and the CLI, which plans a config.json as it plans the packaged scenario. vLLM's own
+specs of those real files are compared in CI's vllm runs (``--kvconform-scenarios=tests/data/configs``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from pytest_kvconform.backends.vllm.configs import WRITERS, hf_config_dict
+from pytest_kvconform.cli import main
+from pytest_kvconform.hf_config import READERS, ConfigError, load_config_scenario, scenario_toml
+from pytest_kvconform.scenario import ModelGeometry, load_scenario, packaged_scenario_names, parse_scenario
+
+CONFIGS = Path(__file__).parent / "data" / "configs"
+
+#: tests/data/configs/<model> -> the packaged scenario whose [model] it must read as
+REAL = {
+    "granite-4.0-h-tiny": "granite-4.0-h-tiny",
+    "mistral-7b-v0.1": "mistral-7b-v0.1-pp2",
+    "gemma-3-27b-it": "gemma-3-27b-it",
+    "qwen3-next-80b-a3b": "qwen3-next-80b-a3b",
+    "deepseek-v3": "deepseek-v3-mtp1",
+    "qwen2.5-3b-instruct": "qwen2.5-3b-instruct-tp4",
+    "llama-3.1-8b-instruct": "llama-3.1-8b-instruct-fp8",
+}
+
+
+def stated_differences(stated: ModelGeometry, read: ModelGeometry) -> list[tuple[str, object, object]]:
+    """Fields of ``stated`` (a packaged [model]) that ``read`` gives otherwise; a field the file
+    leaves at its default (0, None: not stated, e.g. query heads only Metal reads) is not held."""
+    out = []
+    for name in ("architecture", "dtype", "num_hidden_layers", "layers", "num_nextn_predict_layers",
+                 "max_position_embeddings"):  # fmt: skip
+        want, got = getattr(stated, name), getattr(read, name)
+        if want and want != got:
+            out.append((name, want, got))
+    for part in ("attention", "state"):
+        want_part, got_part = getattr(stated, part), getattr(read, part)
+        if (want_part is None) != (got_part is None):
+            out.append((part, want_part, got_part))
+            continue
+        if want_part is None:
+            continue
+        defaults = type(want_part)(**({"kind": want_part.kind, "conv_kernel": 0} if part == "state" else {}))
+        for f in dataclasses.fields(want_part):
+            want, got = getattr(want_part, f.name), getattr(got_part, f.name)
+            if want != getattr(defaults, f.name) and want != got:
+                out.append((f"{part}.{f.name}", want, got))
+    return out
+
+
+def _written() -> list[str]:
+    names = []
+    for name in packaged_scenario_names():
+        model = load_scenario(name).model
+        if model is not None and model.architecture in WRITERS:
+            names.append(name)
+    return names
+
+
+def test_every_architecture_with_a_config_writer_has_a_reader() -> None:
+    assert set(WRITERS) <= set(READERS)
+
+
+@pytest.mark.parametrize("name", _written())
+def test_a_packaged_scenario_round_trips_through_its_config_json(name: str, tmp_path: Path) -> None:
+    """configs.py writes the scenario's config.json; reading it back gives the same [model]."""
+    scenario = load_scenario(name)
+    (tmp_path / "config.json").write_text(json.dumps(hf_config_dict(scenario)), encoding="utf-8")
+    read = load_config_scenario(tmp_path)
+    assert scenario.model is not None and read.model is not None
+    assert stated_differences(scenario.model, read.model) == []
+
+
+def test_every_writer_architecture_is_round_tripped() -> None:
+    """Each architecture with a writer has a packaged model-level scenario in the round trip."""
+    covered = {load_scenario(n).model.architecture for n in _written()}  # type: ignore[union-attr]
+    missing = set(WRITERS) - covered
+    # families no packaged scenario uses: round-tripped from a scenario of their own below
+    assert missing <= set(SYNTHETIC), sorted(missing - set(SYNTHETIC))
+
+
+#: architectures no packaged scenario uses: a [model] of each (the families' small test geometries)
+SYNTHETIC = {
+    "Gemma2ForCausalLM": dict(
+        layers="SASASA", attention=dict(num_kv_heads=4, head_dim=256, sliding_window=4096)
+    ),
+    "Gemma3ForCausalLM": dict(
+        layers="SSSSSA", attention=dict(num_kv_heads=1, head_dim=256, sliding_window=512)
+    ),
+    "Gemma4ForCausalLM": dict(
+        layers="SSSSSA",
+        attention=dict(num_kv_heads=8, head_dim=256, sliding_window=1024, global_head_dim=512),
+    ),
+    "MistralForCausalLM": dict(layers="AAAA", attention=dict(num_kv_heads=8, head_dim=128)),
+    "Qwen3ForCausalLM": dict(layers="AAAA", attention=dict(num_kv_heads=8, head_dim=128)),
+    "DeepseekV2ForCausalLM": dict(
+        layers="AAAA", attention=dict(kind="mla", kv_lora_rank=512, qk_rope_head_dim=64)
+    ),
+    "DeepseekV32ForCausalLM": dict(
+        layers="AAAA", attention=dict(kind="mla", kv_lora_rank=512, qk_rope_head_dim=64, indexer_head_dim=128)
+    ),
+    "JambaForCausalLM": dict(
+        layers="MMMMAMMM",
+        attention=dict(num_kv_heads=8, head_dim=128),
+        state=dict(kind="mamba1", intermediate_size=8192, d_state=16, conv_kernel=4),
+    ),
+    "Lfm2ForCausalLM": dict(
+        layers="MMAMMA",
+        attention=dict(num_kv_heads=8, head_dim=64),
+        state=dict(kind="short_conv", conv_dim=2048, conv_kernel=3),
+    ),
+    "KimiLinearForCausalLM": dict(
+        layers="MMMA",
+        attention=dict(kind="mla", kv_lora_rank=512, qk_rope_head_dim=64),
+        state=dict(kind="kda", num_heads=32, head_dim=128, conv_kernel=4),
+    ),
+    "NemotronHForCausalLM": dict(
+        layers="M-M-A-",
+        attention=dict(num_kv_heads=8, head_dim=128),
+        state=dict(
+            kind="mamba2",
+            intermediate_size=8192,
+            n_groups=8,
+            n_heads=128,
+            head_dim=64,
+            d_state=128,
+            conv_kernel=4,
+        ),
+    ),
+    "BertModel": dict(layers="------", attention=dict(num_kv_heads=12, head_dim=32)),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(SYNTHETIC))
+def test_an_architecture_no_packaged_scenario_uses_round_trips(arch: str, tmp_path: Path) -> None:
+    spec = SYNTHETIC[arch]
+    attention = "\n".join(f"{k} = {json.dumps(v)}" for k, v in spec["attention"].items())
+    state = "\n".join(f"{k} = {json.dumps(v)}" for k, v in spec.get("state", {}).items())
+    text = (
+        f'schema = "kv-scenario/1"\nname = "{arch}"\n[model]\narchitecture = "{arch}"\ndtype = "bfloat16"\n'
+        f'num_hidden_layers = {len(spec["layers"])}\nlayers = "{spec["layers"]}"\n'
+        f"[model.attention]\n{'' if 'kind' in spec['attention'] else 'kind = ' + json.dumps('gqa')}\n"
+        f"{attention}\n"
+        + (f"[model.state]\n{state}\n" if state else "")
+        + "[runtime]\nmax_model_len = 4096\n"
+    )
+    scenario = parse_scenario(text, f"{arch}.toml")
+    (tmp_path / "config.json").write_text(json.dumps(hf_config_dict(scenario)), encoding="utf-8")
+    read = load_config_scenario(tmp_path)
+    assert scenario.model is not None and read.model is not None
+    assert stated_differences(scenario.model, read.model) == []
+
+
+@pytest.mark.parametrize("model", sorted(REAL))
+def test_a_real_config_json_reads_as_the_packaged_scenario(model: str) -> None:
+    """Hand-written from the published config.json (tests/data/configs/README.md): the read
+    [model] is the packaged scenario's, whatever spelling the family used (full_attention_interval,
+    a Gemma 3 text_config without a pattern, a sliding_window gated off by use_sliding_window)."""
+    read = load_config_scenario(CONFIGS / model)
+    packaged = load_scenario(REAL[model])
+    assert packaged.model is not None and read.model is not None
+    assert stated_differences(packaged.model, read.model) == []
+
+
+def test_every_model_field_names_the_key_it_came_from() -> None:
+    text = scenario_toml(CONFIGS / "granite-4.0-h-tiny")
+    assert 'layers = "MMMMMAMMMMMMMMMAMMMMMMMMMAMMMMMMMMMAMMMM"  # layer_types' in text
+    assert "head_dim = 128  # hidden_size / num_attention_heads" in text
+    assert "intermediate_size = 3072  # mamba_expand * hidden_size" in text
+    gemma = scenario_toml(CONFIGS / "gemma-3-27b-it")
+    assert "num_hidden_layers = 62  # text_config.num_hidden_layers" in gemma
+
+
+def _config(tmp_path: Path, **fields: object) -> Path:
+    (tmp_path / "config.json").write_text(json.dumps(fields), encoding="utf-8")
+    return tmp_path
+
+
+def test_an_unknown_architecture_is_an_error_listing_the_known_ones(tmp_path: Path) -> None:
+    path = _config(tmp_path, architectures=["FalconForCausalLM"], num_hidden_layers=2, torch_dtype="bfloat16")
+    with pytest.raises(
+        ConfigError, match=r"architectures: 'FalconForCausalLM' is not known; known: BertModel, "
+    ):
+        load_config_scenario(path)
+
+
+def test_an_ambiguous_key_is_an_error_naming_it(tmp_path: Path) -> None:
+    """Qwen2's use_sliding_window: which layers slide depends on max_window_layers."""
+    path = _config(
+        tmp_path, architectures=["Qwen2ForCausalLM"], num_hidden_layers=4, torch_dtype="bfloat16",
+        num_attention_heads=4, num_key_value_heads=2, hidden_size=512, use_sliding_window=True,
+        sliding_window=1024, max_window_layers=2, max_position_embeddings=4096,
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match=r"config\.json: use_sliding_window: true without layer_types"):
+        load_config_scenario(path)
+
+
+def test_a_missing_key_is_an_error_naming_it(tmp_path: Path) -> None:
+    config = json.loads((CONFIGS / "qwen3-next-80b-a3b" / "config.json").read_text(encoding="utf-8"))
+    del config["linear_key_head_dim"]
+    path = _config(tmp_path, **config)
+    with pytest.raises(ConfigError, match=r"linear_key_head_dim: missing"):
+        load_config_scenario(path)
+
+
+def test_kvconform_scenario_prints_a_scenario_that_loads(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    argv = ["scenario", str(CONFIGS / "mistral-7b-v0.1"), "--block-size", "32", "--kv-cache-dtype", "fp8"]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    scenario = parse_scenario(text, "printed.toml")
+    assert (scenario.runtime.block_size, scenario.runtime.user_specified_block_size) == (32, True)
+    assert scenario.runtime.kv_cache_dtype == "fp8"
+    assert scenario.runtime.max_model_len == 32768  # vllm serve's default: max_position_embeddings
+    assert scenario.runtime.unset == ("mamba_cache_mode", "max_concurrent_batches")  # the engine's
+
+
+def _plan(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, object]:
+    assert main(["plan", *argv, "--json", "--vllm", "0.33"]) == 0
+    return json.loads(capsys.readouterr().out)  # type: ignore[no-any-return]
+
+
+def test_kvconform_plans_granite_from_its_config_json_as_the_packaged_scenario(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The bug report's command: Granite-4.0-H-Tiny's own config.json at --block-size 400, with the
+    packaged scenario's runtime spelled as vllm serve options."""
+    packaged = _plan(capsys, "granite-4.0-h-tiny", "--set", "block_size=400")
+    from_config = _plan(
+        capsys, str(CONFIGS / "granite-4.0-h-tiny" / "config.json"), "--block-size", "400",
+        "--max-model-len", "32768", "--kv-cache-memory-bytes", str(8 << 30), "--mamba-cache-mode", "none",
+        "--no-async-scheduling",
+    )  # fmt: skip
+    assert from_config["scenario"] == "granite-4.0-h-tiny"
+    assert {**from_config, "scenario": None} == {**packaged, "scenario": None}
+    assert from_config["block_size"] == 400
+
+
+def test_a_bad_config_json_is_a_one_line_error(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = _config(tmp_path, architectures=["GraniteMoeHybridForCausalLM"], num_hidden_layers=4)
+    assert main(["plan", str(path / "config.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "torch_dtype: missing" in err
