@@ -94,6 +94,9 @@ def _load(item: str, args: argparse.Namespace) -> Any:
     if is_config_path(item):
         return load_config_scenario(item, runtime)
     scenario = load_scenario(item)
+    if "max_concurrent_batches" in runtime and "pipeline_parallel_size" not in runtime:  # the file's stages
+        pp = scenario.runtime.pipeline_parallel_size
+        runtime["max_concurrent_batches"] = pp + 1 if getattr(args, _dest("--async-scheduling")) else pp
     return scenario.with_runtime(**runtime) if runtime else scenario
 
 

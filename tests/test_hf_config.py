@@ -252,3 +252,9 @@ def test_a_bad_config_json_is_a_one_line_error(capsys: pytest.CaptureFixture[str
     assert main(["plan", str(path / "config.json")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "torch_dtype: missing" in err
+
+
+def test_async_scheduling_counts_the_files_pipeline_stages(capsys: pytest.CaptureFixture[str]) -> None:
+    """--[no-]async-scheduling on a scenario of 2 pipeline stages: 3 batches in flight, or 2."""
+    assert _plan(capsys, "mistral-7b-v0.1-pp2", "--async-scheduling")["max_concurrent_batches"] == 3
+    assert _plan(capsys, "mistral-7b-v0.1-pp2", "--no-async-scheduling")["max_concurrent_batches"] == 2
