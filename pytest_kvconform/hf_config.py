@@ -113,11 +113,14 @@ def _codes(values: list[Any], names: Mapping[str, str], cfg: _Config, key: str) 
     return "".join(names[v] for v in values)
 
 
-def _layer_types(cfg: _Config, read: ReadConfig, names: Mapping[str, str]) -> bool:
-    """``layer_types``, if the config has it: True when read."""
-    if not cfg.has("layer_types"):
+def _layer_types(
+    cfg: _Config, read: ReadConfig, names: Mapping[str, str], spelling: str = "layer_types"
+) -> bool:
+    """The per-layer list ``spelling`` (``layer_types``, or a family's ``layers_block_type``), if
+    the config has it: True when read."""
+    if not cfg.has(spelling):
         return False
-    values, key = cfg.get("layer_types")
+    values, key = cfg.get(spelling)
     _check_length(cfg, read, len(values), key)
     read.model["layers"] = (_codes(values, names, cfg, "layer_types"), key)
     return True
@@ -236,15 +239,27 @@ def _mamba2_fields(cfg: _Config, read: ReadConfig, **keys: str) -> None:
 
 @reader("GraniteMoeHybridForCausalLM")
 def granite_moe_hybrid(cfg: _Config, read: ReadConfig) -> None:
-    """``layer_types`` of attention/mamba; Mamba2's inner width ``mamba_expand * hidden_size``; the
-    attention's head size is always ``hidden_size / num_attention_heads`` (GraniteMoeHybridAttention)."""
+    """``layer_types`` of attention/mamba (transformers 5: full_attention/linear_attention, or the
+    alias ``layers_block_type``); Mamba2's inner width ``mamba_expand * hidden_size`` and its
+    ``mamba_d_head`` (``"auto"``: that width over ``mamba_n_heads``); the attention's head size is
+    always ``hidden_size / num_attention_heads`` (GraniteMoeHybridAttention)."""
     _gqa(cfg, read, head_dim_from_hidden=True)
-    if not _layer_types(cfg, read, {"attention": "A", "mamba": "M"}):
+    names = {"attention": "A", "mamba": "M", "full_attention": "A", "linear_attention": "M"}
+    if not (_layer_types(cfg, read, names) or _layer_types(cfg, read, names, "layers_block_type")):
         raise cfg.error("layer_types", "missing: Granite 4.0-H lists each layer's kind")
-    _mamba2_fields(cfg, read, n_heads="mamba_n_heads", head_dim="mamba_d_head", d_state="mamba_d_state",
-                   n_groups="mamba_n_groups", conv_kernel="mamba_d_conv")  # fmt: skip
+    auto = cfg.data.get("mamba_d_head") == "auto"
+    fields = dict(n_heads="mamba_n_heads", d_state="mamba_d_state", n_groups="mamba_n_groups",
+                  conv_kernel="mamba_d_conv", **({} if auto else {"head_dim": "mamba_d_head"}))  # fmt: skip
+    _mamba2_fields(cfg, read, **fields)
     expand, hidden = cfg.need("mamba_expand"), cfg.need("hidden_size")
-    read.state["intermediate_size"] = (expand[0] * hidden[0], f"{expand[1]} * {hidden[1]}")
+    width = expand[0] * hidden[0]
+    read.state["intermediate_size"] = (width, f"{expand[1]} * {hidden[1]}")
+    if auto:
+        heads = read.state["n_heads"]
+        read.state["head_dim"] = (
+            width // heads[0],
+            f"mamba_d_head auto: {expand[1]} * {hidden[1]} / {heads[1]}",
+        )
     if cfg.has("mamba_chunk_size"):
         read.state["chunk_size"] = cfg.need("mamba_chunk_size")
 
@@ -252,18 +267,25 @@ def granite_moe_hybrid(cfg: _Config, read: ReadConfig) -> None:
 @reader("NemotronHForCausalLM")
 def nemotron_h(cfg: _Config, read: ReadConfig) -> None:
     """``hybrid_override_pattern``: ``M`` Mamba2, ``*`` attention, ``-`` MLP and ``E`` MoE (no KV
-    cache); the Mamba2 width is ``mamba_num_heads * mamba_head_dim``."""
+    cache); transformers 5 spells it ``layers_block_type`` (or ``layer_types``) of
+    linear_attention/full_attention/mlp/moe. The Mamba2 width is ``mamba_num_heads * mamba_head_dim``."""
     _gqa(cfg, read)
-    pattern, key = cfg.need("hybrid_override_pattern", str)
-    _check_length(cfg, read, len(pattern), key)
-    read.model["layers"] = (_codes(list(pattern), {"M": "M", "*": "A", "-": "-", "E": "-"}, cfg, key), key)
+    names = {"linear_attention": "M", "full_attention": "A", "mlp": "-", "moe": "-"}
+    if not any(_layer_types(cfg, read, names, key) for key in ("layers_block_type", "layer_types")):
+        pattern, key = cfg.need("hybrid_override_pattern", str)
+        _check_length(cfg, read, len(pattern), key)
+        read.model["layers"] = (
+            _codes(list(pattern), {"M": "M", "*": "A", "-": "-", "E": "-"}, cfg, key),
+            key,
+        )
     _mamba2_fields(cfg, read, n_heads="mamba_num_heads", head_dim="mamba_head_dim", d_state="ssm_state_size",
                    n_groups="n_groups", conv_kernel="conv_kernel")  # fmt: skip
     heads, dim = read.state["n_heads"], read.state["head_dim"]
     read.state["intermediate_size"] = (heads[0] * dim[0], f"{heads[1]} * {dim[1]}")
     _ssm_dtype(cfg, read, "mamba_ssm_cache_dtype")
-    if cfg.has("chunk_size"):
-        read.state["chunk_size"] = cfg.need("chunk_size")
+    for key in ("chunk_size", "mamba_chunk_size"):
+        if cfg.has(key):
+            read.state["chunk_size"] = cfg.need(key)
 
 
 GDN_LAYERS = {"full_attention": "A", "linear_attention": "M"}
@@ -384,7 +406,7 @@ def read_config(path: str | Path) -> ReadConfig:
     read = ReadConfig()
     read.model["architecture"] = (arch, "architectures[0]" if arch == archs[0] else "kvconform_substitutes")
     read.model["dtype"] = _dtype(cfg, _Config(data, source))
-    read.model["num_hidden_layers"] = cfg.need("num_hidden_layers")
+    read.model["num_hidden_layers"] = _num_layers(cfg)
     if cfg.has("max_position_embeddings"):
         read.model["max_position_embeddings"] = cfg.need("max_position_embeddings")
     for key in ("num_nextn_predict_layers", "mtp_num_hidden_layers"):
@@ -393,6 +415,17 @@ def read_config(path: str | Path) -> ReadConfig:
                 read.model["num_nextn_predict_layers"] = where.need(key)
     read_family(cfg, read)
     return read
+
+
+def _num_layers(cfg: _Config) -> Sourced:
+    """``num_hidden_layers``, or the length of the per-layer list that replaces it (transformers 5's
+    NemotronHConfig: ``layers_block_type``)."""
+    if cfg.has("num_hidden_layers"):
+        return cfg.need("num_hidden_layers")
+    for key in ("layers_block_type", "hybrid_override_pattern"):
+        if cfg.has(key):
+            return len(cfg.data[key]), f"len({cfg.key(key)})"
+    return cfg.need("num_hidden_layers")
 
 
 def _dtype(cfg: _Config, top: _Config) -> Sourced:

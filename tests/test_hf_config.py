@@ -18,7 +18,13 @@ import pytest
 from pytest_kvconform.backends.vllm.configs import WRITERS, hf_config_dict
 from pytest_kvconform.cli import main
 from pytest_kvconform.hf_config import READERS, ConfigError, load_config_scenario, scenario_toml
-from pytest_kvconform.scenario import ModelGeometry, load_scenario, packaged_scenario_names, parse_scenario
+from pytest_kvconform.scenario import (
+    ModelGeometry,
+    Scenario,
+    load_scenario,
+    packaged_scenario_names,
+    parse_scenario,
+)
 
 CONFIGS = Path(__file__).parent / "data" / "configs"
 
@@ -141,20 +147,23 @@ SYNTHETIC = {
 }
 
 
+def synthetic(arch: str) -> Scenario:
+    """A scenario of :data:`SYNTHETIC`'s geometry for ``arch``."""
+    spec = SYNTHETIC[arch]
+    attention = {"kind": "gqa", **spec["attention"]}
+    layers = spec["layers"]
+    lines = ['schema = "kv-scenario/1"', f'name = "{arch}"', "[model]", f'architecture = "{arch}"',
+             'dtype = "bfloat16"', f"num_hidden_layers = {len(layers)}", f'layers = "{layers}"',
+             "[model.attention]", *(f"{k} = {json.dumps(v)}" for k, v in attention.items())]  # fmt: skip
+    if "state" in spec:
+        lines += ["[model.state]", *(f"{k} = {json.dumps(v)}" for k, v in spec["state"].items())]
+    lines += ["[runtime]", "max_model_len = 4096"]
+    return parse_scenario("\n".join(lines) + "\n", f"{arch}.toml")
+
+
 @pytest.mark.parametrize("arch", sorted(SYNTHETIC))
 def test_an_architecture_no_packaged_scenario_uses_round_trips(arch: str, tmp_path: Path) -> None:
-    spec = SYNTHETIC[arch]
-    attention = "\n".join(f"{k} = {json.dumps(v)}" for k, v in spec["attention"].items())
-    state = "\n".join(f"{k} = {json.dumps(v)}" for k, v in spec.get("state", {}).items())
-    text = (
-        f'schema = "kv-scenario/1"\nname = "{arch}"\n[model]\narchitecture = "{arch}"\ndtype = "bfloat16"\n'
-        f'num_hidden_layers = {len(spec["layers"])}\nlayers = "{spec["layers"]}"\n'
-        f"[model.attention]\n{'' if 'kind' in spec['attention'] else 'kind = ' + json.dumps('gqa')}\n"
-        f"{attention}\n"
-        + (f"[model.state]\n{state}\n" if state else "")
-        + "[runtime]\nmax_model_len = 4096\n"
-    )
-    scenario = parse_scenario(text, f"{arch}.toml")
+    scenario = synthetic(arch)
     (tmp_path / "config.json").write_text(json.dumps(hf_config_dict(scenario)), encoding="utf-8")
     read = load_config_scenario(tmp_path)
     assert scenario.model is not None and read.model is not None
@@ -258,3 +267,88 @@ def test_async_scheduling_counts_the_files_pipeline_stages(capsys: pytest.Captur
     """--[no-]async-scheduling on a scenario of 2 pipeline stages: 3 batches in flight, or 2."""
     assert _plan(capsys, "mistral-7b-v0.1-pp2", "--async-scheduling")["max_concurrent_batches"] == 3
     assert _plan(capsys, "mistral-7b-v0.1-pp2", "--no-async-scheduling")["max_concurrent_batches"] == 2
+
+
+def _respelled(arch: str, tmp_path: Path, respell) -> tuple[ModelGeometry, ModelGeometry]:
+    """The [model] read from a writer's config.json and from the same file in another spelling."""
+    scenario = load_scenario(WRITTEN_BY[arch]) if arch in WRITTEN_BY else synthetic(arch)
+    config = hf_config_dict(scenario)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "config.json").write_text(json.dumps(respell(dict(config))), encoding="utf-8")
+    a, b = load_config_scenario(tmp_path / "a").model, load_config_scenario(tmp_path / "b").model
+    assert a is not None and b is not None
+    return a, b
+
+
+WRITTEN_BY = {
+    "GraniteMoeHybridForCausalLM": "granite-4.0-h-tiny",
+    "NemotronHForCausalLM": "nemotron-3-super-120b-a12b",
+}
+
+
+def _nemotron_5(c: dict) -> dict:
+    """transformers 5's NemotronHConfig: layers_block_type, no num_hidden_layers, mamba_chunk_size."""
+    kinds = {"M": "linear_attention", "*": "full_attention", "-": "mlp"}
+    c["layers_block_type"] = [kinds[x] for x in c.pop("hybrid_override_pattern")]
+    del c["num_hidden_layers"]
+    return c
+
+
+def _granite_5(c: dict) -> dict:
+    """transformers 5's GraniteMoeHybridConfig: full/linear_attention, mamba_d_head "auto"."""
+    c["layer_types"] = [
+        "full_attention" if x == "attention" else "linear_attention" for x in c["layer_types"]
+    ]
+    c["mamba_d_head"] = "auto"
+    return c
+
+
+def _lfm2_old(c: dict) -> dict:
+    """Lfm2Config before layer_types: full_attn_idxs."""
+    c["full_attn_idxs"] = [i for i, x in enumerate(c.pop("layer_types")) if x == "full_attention"]
+    return c
+
+
+def _gemma2_old(c: dict) -> dict:
+    """Gemma2Config before layer_types: even layers slide; transformers 5 spells torch_dtype dtype."""
+    del c["layer_types"]
+    c["dtype"] = c.pop("torch_dtype")
+    return c
+
+
+def _qwen_next_old(c: dict) -> dict:
+    """Qwen3NextConfig before layer_types: every full_attention_interval-th layer full."""
+    del c["layer_types"]
+    c["full_attention_interval"] = 4
+    return c
+
+
+@pytest.mark.parametrize(
+    ("arch", "respell"),
+    [
+        ("NemotronHForCausalLM", _nemotron_5),
+        ("GraniteMoeHybridForCausalLM", _granite_5),
+        ("Lfm2ForCausalLM", _lfm2_old),
+        ("Gemma2ForCausalLM", _gemma2_old),
+    ],
+    ids=[
+        "nemotron-h-layers_block_type",
+        "granite-linear_attention-auto-head",
+        "lfm2-full_attn_idxs",
+        "gemma2-parity-dtype",
+    ],
+)
+def test_each_spelling_of_a_family_reads_the_same(arch: str, respell, tmp_path: Path) -> None:
+    a, b = _respelled(arch, tmp_path, respell)
+    assert stated_differences(a, b) == []
+    assert a.layers == b.layers and a.num_hidden_layers == b.num_hidden_layers
+
+
+def test_qwen3_next_reads_full_attention_interval(tmp_path: Path) -> None:
+    scenario = load_scenario("qwen3-next-80b-a3b")
+    config = _qwen_next_old(hf_config_dict(scenario))
+    (tmp_path / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    read = load_config_scenario(tmp_path).model
+    assert read is not None and read.layers == "MMMA" * 12
