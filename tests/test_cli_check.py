@@ -180,7 +180,8 @@ def test_bad_input_is_one_line_and_exit_2(
 
 def test_an_empty_folder_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run(capsys, "check", str(tmp_path))
-    assert code == 2 and err == f"kvconform: {tmp_path}: no *.toml scenario files in this folder\n"
+    assert code == 2
+    assert err == f"kvconform: {tmp_path}: no *.toml scenario files nor a config.json in this folder\n"
 
 
 def test_explain_shows_each_step_with_its_numbers_and_vllm_function(

@@ -32,8 +32,7 @@ def _window_above_block(s: Any) -> bool:
 
 TWO_HEAD_DIMS = InputKind("two_head_dims", "attention layers of two head dims (Gemma 4)", _two_head_dims)
 DENSE_MLA_FP8 = InputKind("dense_mla_quantized", "MLA without an indexer, quantized", _dense_mla_quantized)
-WINDOW_ABOVE_BLOCK = InputKind("window_above_block", "a sliding window the block is no multiple of",
-                               _window_above_block)  # fmt: skip
+WINDOW_ABOVE_BLOCK = InputKind("window_above_block", "a block no multiple of the window", _window_above_block)
 
 
 class VllmRblnBackend(PluginProfile):
@@ -41,8 +40,7 @@ class VllmRblnBackend(PluginProfile):
 
     name: ClassVar[str] = "vllm-rbln"
     distribution: ClassVar[str] = "vllm-rbln"
-    #: an RBLN NPU host has no Triton: VllmConfig.use_v2_model_runner keeps the V1 model runner
-    device_has_triton: ClassVar[bool] = False
+    device_has_triton: ClassVar[bool] = False  # an RBLN host: vLLM keeps the V1 model runner
     install_hint: ClassVar[str] = "bash scripts/install-vllm-rbln.sh (vllm-rbln 0.12.0 in .venv-rbln)"
     platform: ClassVar[type | str | None] = "vllm_rbln.platform:RblnPlatform"
     worker: ClassVar[type | str | None] = "vllm_rbln.v1.worker.rbln_worker:RBLNWorker"
