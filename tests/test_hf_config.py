@@ -33,6 +33,7 @@ REAL = {
     "granite-4.0-h-tiny": "granite-4.0-h-tiny",
     "mistral-7b-v0.1": "mistral-7b-v0.1-pp2",
     "gemma-3-27b-it": "gemma-3-27b-it",
+    "gemma-3-1b-it": "gemma-3-1b-it-rbln-cr03",
     "qwen3-next-80b-a3b": "qwen3-next-80b-a3b",
     "deepseek-v3": "deepseek-v3-mtp1",
     "qwen2.5-3b-instruct": "qwen2.5-3b-instruct-tp4",
