@@ -11,7 +11,12 @@ of a backend and watches which code hands the answer back:
   raised inside the reference's code;
 * ``reference``: the backend declined (its ``declines``, or an
   :class:`~pytest_kvconform.gaps.OfflineGap`) and the reference of the same release answered
-  instead (recorded by the caller).
+  instead (recorded by the caller);
+* ``core``: for a backend that drives a plugin (its :meth:`plugin_code`), vLLM core's code
+  answered for the plugin: no code of the plugin's packages returned during the call, or a
+  stand-in of the harness did (:class:`~.backends.vllm.worker.RunnerStandIn`: vLLM's
+  ``GPUModelRunner.get_kv_cache_spec`` for a worker the harness built no runner for). A
+  stand-in's answer is never the plugin's own.
 
 "Handed back" is judged by identity: a value the backend built itself is a new object even when
 it equals the reference's. Values CPython shares between unrelated code (``None``, booleans,
@@ -31,12 +36,12 @@ import contextvars
 import os
 import sys
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
-BACKEND, INHERITED, REFERENCE = "backend", "inherited", "reference"
+BACKEND, INHERITED, REFERENCE, CORE = "backend", "inherited", "reference", "core"
 
 #: every file of the reference's code starts with this (as code objects spell their file)
 REFERENCE_CODE = os.path.join(os.path.dirname(__file__), "reference", "")
@@ -87,23 +92,97 @@ def _raised_by_reference(error: BaseException) -> bool:
     return tb is not None and is_reference_code(tb.tb_frame.f_code.co_filename)
 
 
+@dataclass(frozen=True)
+class PluginCode:
+    """Whose code a plugin's is: the folders of its packages, and the qualified-name prefixes of
+    the harness's stand-ins whose answers are vLLM core's (``RunnerStandIn.``)."""
+
+    roots: tuple[str, ...]
+    stand_ins: tuple[str, ...] = ()
+
+
+@dataclass
+class _Watch:
+    handed: list[Any] = field(default_factory=list)
+    plugin_ran: bool = False
+    stand_in_ran: bool = False
+
+    def by(self, value_by: str, plugin: PluginCode | None) -> str:
+        """``value_by`` (backend or inherited), made ``core`` where the plugin's code did not answer."""
+        if value_by == BACKEND and plugin is not None and (self.stand_in_ran or not self.plugin_ran):
+            return CORE
+        return value_by
+
+
+#: the watch of the running :func:`ask`, for :func:`credit`
+_WATCH: contextvars.ContextVar[_Watch | None] = contextvars.ContextVar("kvconform_watch", default=None)
+
+
 @contextlib.contextmanager
-def _watch_reference_returns() -> Iterator[list[Any]]:
-    """The values the reference's functions return to code outside the reference, meanwhile."""
-    handed: list[Any] = []
+def _watch_returns(plugin: PluginCode | None = None) -> Iterator[_Watch]:
+    """Meanwhile: the values the reference's functions return to code outside the reference, and
+    whether code of ``plugin``'s packages, or a stand-in, returned at all. A watch inside another
+    (:func:`participation` during an :func:`ask`) passes every event on to the outer one."""
+    watch = _Watch()
     previous = sys.getprofile()
+    roots = plugin.roots if plugin is not None else ()
+    stand_ins = plugin.stand_ins if plugin is not None else ()
 
     def hook(frame: FrameType, event: str, arg: Any) -> None:
-        if event == "return" and is_reference_code(frame.f_code.co_filename):
+        if previous is not None:
+            previous(frame, event, arg)
+        if event != "return":
+            return
+        filename = frame.f_code.co_filename
+        if is_reference_code(filename):
             caller = frame.f_back
             if caller is None or not is_reference_code(caller.f_code.co_filename):
-                handed.append(arg)
+                watch.handed.append(arg)
+        elif roots and filename.startswith(roots):
+            watch.plugin_ran = True
+        elif stand_ins and frame.f_code.co_qualname.startswith(stand_ins):
+            watch.stand_in_ran = True
 
     sys.setprofile(hook)
+    token = _WATCH.set(watch)
     try:
-        yield handed
+        yield watch
     finally:
+        _WATCH.reset(token)
         sys.setprofile(previous)
+
+
+@dataclass(frozen=True)
+class Participation:
+    """Whose code ran while an answer was computed (for a backend that hands it out later)."""
+
+    plugin_ran: bool = False
+    stand_in_ran: bool = False
+
+
+@contextlib.contextmanager
+def participation(plugin: PluginCode | None) -> Iterator[list[Participation]]:
+    """Whose code runs inside: a backend that computes an answer once and hands it out to later
+    asks (vLLM's engine, built once per scenario) keeps it and :func:`credit` s it to each."""
+    out: list[Participation] = []
+    with _watch_returns(plugin) as watch:
+        yield out
+    out.append(Participation(watch.plugin_ran, watch.stand_in_ran))
+
+
+def credit(done: Sequence[Participation]) -> None:
+    """The running :func:`ask` hands out an answer computed earlier (:func:`participation`): the
+    code that computed it counts as having answered now."""
+    watch = _WATCH.get()
+    for p in done if watch is not None else ():
+        watch.plugin_ran |= p.plugin_ran
+        watch.stand_in_ran |= p.stand_in_ran
+
+
+def plugin_code_of(rules: Any) -> PluginCode | None:
+    """The plugin ``rules`` drives (its ``plugin_code()``), if any."""
+    method = getattr(rules, "plugin_code", None)
+    return method() if callable(method) else None
 
 
 def ask(rules: Any, method: str, *args: Any, **kwargs: Any) -> Answer:
@@ -123,12 +202,15 @@ def ask(rules: Any, method: str, *args: Any, **kwargs: Any) -> Answer:
         prepare = getattr(rules, "prepare", None)
         if callable(prepare) and kwargs.get("scenario") is not None:
             prepare(kwargs["scenario"])  # its expensive set-up, unwatched (see ReferenceRules.prepare)
-        with _watch_reference_returns() as handed:
+        plugin = plugin_code_of(rules)
+        with _watch_returns(plugin) as watch:
             try:
                 value = fn(*args, **kwargs)
             except Exception as exc:
-                return Answer(INHERITED if _raised_by_reference(exc) else BACKEND, error=exc)
-        return Answer(INHERITED if _handed_back(value, handed) else BACKEND, value)
+                return Answer(
+                    watch.by(INHERITED if _raised_by_reference(exc) else BACKEND, plugin), error=exc
+                )
+        return Answer(watch.by(INHERITED if _handed_back(value, watch.handed) else BACKEND, plugin), value)
     try:
         return Answer(by_code, fn(*args, **kwargs))
     except Exception as exc:
@@ -175,7 +257,7 @@ class Ledger:
             self.processes.add(pid)
 
     def counts(self) -> dict[str, int]:
-        """Answers by who gave them (``backend``, ``inherited``, ``reference``)."""
+        """Answers by who gave them (``backend``, ``inherited``, ``reference``, ``core``)."""
         return dict(Counter(by for _, _, by, _ in self.answers))
 
     def by_method(self) -> dict[str, dict[str, int]]:

@@ -24,7 +24,7 @@ COLUMNS = (*VERDICTS, *(f"gen. {g}" for g in GENERATED))
 SCHEMA = "kvconform-report/2"
 
 #: who gave a backend's answers (:mod:`pytest_kvconform.provenance`), as the report names them
-ANSWERED_BY = {"backend": "own", "inherited": "inherited", "reference": "declined"}
+ANSWERED_BY = {"backend": "own", "core": "vLLM core", "inherited": "inherited", "reference": "declined"}
 
 
 def matrix_of(records: Iterable[Mapping[str, Any]]) -> dict[str, Counter[str]]:
@@ -223,10 +223,10 @@ def format_markdown(document: Mapping[str, Any]) -> str:
     reasons = Counter(
         (r["verdict"], r["rule"], r["message"])
         for r in results
-        if r["verdict"] in ("declined", "inherited", "known", "n/a") and r["outcome"] != "failed"
+        if r["verdict"] in ("declined", "inherited", "core", "known", "n/a") and r["outcome"] != "failed"
     )
     if reasons:
-        lines += ["", "## Declined, inherited, known departures, not applicable", "",
+        lines += ["", "## Declined, inherited, vLLM core's, known departures, not applicable", "",
                   "| verdict | rule | reason | tests |", "|---|---|---|---|"]  # fmt: skip
         lines += [f"| {v} | {rule} | {_cell(why)} | {n} |" for (v, rule, why), n in sorted(reasons.items())]
     return "\n".join(lines) + "\n"

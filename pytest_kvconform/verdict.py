@@ -6,6 +6,9 @@ A kvconform test (or one ``kvconform check`` comparison) ends as exactly one of:
 * ``inherited``: the answers that decide the test came from the reference's code, run for the
   backend (a method it does not redefine, an override returning ``super()``'s answer), or no
   answer of the backend was compared at all: agreement proves nothing about the backend;
+* ``core``: for a backend that drives a plugin, every answer the test compares came from vLLM
+  core's code running for the plugin (vLLM's planner, vLLM's runner through the harness's
+  stand-in), none from the plugin's own packages: agreement proves nothing about the plugin;
 * ``declined``: the backend declared that it does not do this (its
   :class:`~pytest_kvconform.requirements.Declines`), or an offline gap
   (:data:`~pytest_kvconform.gaps.OFFLINE_GAPS`) stopped it: the reason says which;
@@ -44,6 +47,7 @@ from .requirements import KnownDeparture
 class Verdict(enum.StrEnum):
     AGREED = "agreed"
     INHERITED = "inherited"
+    CORE = "core"
     DECLINED = "declined"
     DEPARTED = "departed"
     KNOWN = "known"
@@ -218,6 +222,9 @@ def _from_answers(
     inherited = _steps(a for a in relevant if a[2] == provenance.INHERITED)
     if inherited:
         return Result(Verdict.INHERITED, "the reference's code answered: " + ", ".join(inherited))
+    if all(a[2] == provenance.CORE for a in relevant):
+        core = _steps(relevant)
+        return Result(Verdict.CORE, "vLLM core's code answered for the plugin: " + ", ".join(core))
     return Result(Verdict.AGREED)
 
 

@@ -152,7 +152,7 @@ def test_check_writes_a_markdown_report_with_the_departure(
     assert code == 1
     text = report.read_text()
     assert "| granite-4.0-h-tiny | hybrid_alignment | block_size | 400 | 416 |" in text
-    assert "| rule family | agreed | inherited | declined | departed | known | crashed | n/a |" in text
+    assert "| rule family | agreed | inherited | core | declined | departed | known | crashed | n/a |" in text
 
 
 @pytest.mark.parametrize(

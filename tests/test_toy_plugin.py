@@ -65,7 +65,8 @@ def test_a_correct_plugin_passes_every_suite(
     # known: only vLLM core's own bugs, which every plugin on vLLM's planner inherits (no file of its own)
     vllm_bugs = {k.reason for k in VllmBackend.known_departures}
     assert {r["message"] for r in doc["results"] if r["verdict"] == "known"} <= vllm_bugs
-    assert totals["agreed"] > 300 and totals["gen. compared"] > 100
+    # vLLM's planner groups and checks memory for the plugin: those tests are vLLM core's, not passes
+    assert totals["agreed"] > 200 and totals["core"] > 50 and totals["gen. compared"] > 100
     assert verdicts(doc, "test_expectations[qwen3.5-bs160-reviewer]") == {
         "test_expectations[qwen3.5-bs160-reviewer]": "n/a"  # block 160 at alignment 16; the toy's is 8
     }
@@ -78,7 +79,8 @@ def test_a_correct_plugin_passes_every_suite(
     }
     assert set(verdicts(doc, "test_layer_specs[llama-3.1-8b-instruct-fp8]").values()) == {"agreed"}
     props = {r["rule"]: r["verdict"] for r in doc["results"] if r["test"].endswith("_generated")}
-    assert props and set(props.values()) <= {"agreed", "declined"}, props
+    assert props and set(props.values()) <= {"agreed", "core", "declined"}, props
+    assert "agreed" in props.values()
 
 
 def test_the_worker_is_handed_the_engine_config_without_the_pools_override(

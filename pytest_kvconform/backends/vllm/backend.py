@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar, TypeVar
 
 from ...model import BlockChoice, HybridAlignment, KVCacheGroup, KVPlan, MemoryCheck, PoolAllocation
+from ...provenance import PluginCode, credit
 from ...reference.mamba import Shapes
 from ...reference.releases import rule_set
 from ...reference.specs import AttentionSpec, KVCacheSpec, MambaSpec
@@ -67,7 +69,15 @@ from .runtime import (
     unfreeze_heap,
     vllm_runtime,
 )
-from .worker import GPU_WORKER, build_worker, bytes_held, device_free, resolve_worker, worker_name
+from .worker import (
+    GPU_WORKER,
+    STAND_IN_ANSWERS,
+    build_worker,
+    bytes_held,
+    device_free,
+    resolve_worker,
+    worker_name,
+)
 
 T = TypeVar("T")
 
@@ -243,6 +253,24 @@ class VllmBackend(ReferenceBackend):
 
     # ------------------------------------------------------------------ the platform
 
+    def plugin_code(self) -> PluginCode | None:
+        """The plugin this backend drives, if any: the folders of the packages of its platform and
+        worker (neither vLLM's nor this harness's), so that an answer no code of theirs took part
+        in, or one a stand-in gave (:class:`.worker.RunnerStandIn`), is vLLM core's, never the
+        plugin's (:mod:`pytest_kvconform.provenance`)."""
+        if "_plugin_code" in self.__dict__:  # asked before every rule: found once
+            return self.__dict__["_plugin_code"]  # type: ignore[no-any-return]
+        tops = {_module_of(t).partition(".")[0] for t in (self._platform_arg, self._worker_arg) if t}
+        roots: list[str] = []
+        for top in sorted(tops - {"", "vllm", "pytest_kvconform"}):
+            spec = importlib.util.find_spec(top)
+            if spec is not None:  # a package: its folders; a module: its file
+                folders = [os.path.join(folder, "") for folder in spec.submodule_search_locations or []]
+                roots += folders or [spec.origin or top]
+        found = PluginCode(tuple(roots), STAND_IN_ANSWERS) if roots else None
+        self.__dict__["_plugin_code"] = found
+        return found
+
     def has_triton(self, platform: type) -> bool:
         """What ``HAS_TRITON`` answers under ``platform`` (:func:`.platform.triton_probe`), which
         picks the model runner (``VllmConfig.use_v2_model_runner``) and with it a pipeline's
@@ -337,11 +365,19 @@ class VllmBackend(ReferenceBackend):
         has no layers to ask."""
         if is_neutral(self.platform_for(scenario)) or scenario.is_spec_level:
             return scenario.runtime.kernel_block_alignment
-        engine = self.engine(scenario)
+        engine = self._engine(scenario)
         with self._scope(scenario), _current_config(engine.config):
             return kernel_alignment(engine.backends, scenario.runtime.kernel_block_alignment)
 
     def engine(self, scenario: Scenario) -> layers.EngineSpecs:
+        """The engine (:meth:`_engine`) as the platform suite asks for it: whose code built its
+        block choice and specs answered (:func:`~pytest_kvconform.provenance.credit`)."""
+        engine = self._engine(scenario)
+        for done in engine.credits.values():
+            credit(done)
+        return engine
+
+    def _engine(self, scenario: Scenario) -> layers.EngineSpecs:
         """The scenario's config, specs and block choice as the worker sees them, built once per
         geometry, runtime, platform and host answers (:func:`.platform.host_answers`); a reused
         engine reports the hook changes its build logged again."""
@@ -374,7 +410,7 @@ class VllmBackend(ReferenceBackend):
         freeze_heap()
         if not scenario.is_spec_level:
             with contextlib.suppress(Exception):
-                self.engine(scenario)
+                self._engine(scenario)
 
     def make_worker(self, config: Any, distributed_init_method: str) -> Any:
         """The worker of this backend on ``config``, without a device (:mod:`.worker`); a
@@ -395,7 +431,7 @@ class VllmBackend(ReferenceBackend):
         """What the platform's config hooks change when run a second time (see the platform
         suite, pytest_kvconform/suites/test_kvconform_platform.py) on a copy of the scenario's
         engine, once per engine key (both hooks are asked of one copy)."""
-        engine = self.engine(scenario)
+        engine = self._engine(scenario)
         with self._scope(scenario) as platform:
             key = ("rerun_hooks", *self._engine_key(scenario, platform))
             if key not in _ENGINES:
@@ -427,7 +463,9 @@ class VllmBackend(ReferenceBackend):
     # -- block_size: all three phases, after the model's layers exist
     def choose_block_size(self, scenario: Scenario) -> BlockChoice:
         """The cache config after ``<platform>.update_block_size_for_backend``."""
-        return self.engine(scenario).choice
+        engine = self._engine(scenario)
+        credit(engine.credits.get("block_size", ()))
+        return engine.choice
 
     def kernel_block_sizes(self, groups: Sequence[KVCacheGroup], scenario: Scenario) -> list[int]:
         """Each group's kernel block as ``prepare_kernel_block_sizes`` (vllm/v1/worker/utils.py)
@@ -438,7 +476,7 @@ class VllmBackend(ReferenceBackend):
             return super().kernel_block_sizes(groups, scenario=scenario)
         from vllm.v1.worker.utils import select_common_block_size
 
-        engine = self.engine(scenario)
+        engine = self._engine(scenario)
         backends = list(engine.backends)
         with self._scope(scenario), _current_config(engine.config):
             return [
@@ -460,7 +498,8 @@ class VllmBackend(ReferenceBackend):
     def layer_specs(self, scenario: Scenario) -> dict[str, KVCacheSpec]:
         """The worker's ``get_kv_cache_spec`` (:mod:`.worker`), converted once: the neutral specs
         keep vLLM's own objects beside them, so grouping and the memory check plan those."""
-        engine = self.engine(scenario)
+        engine = self._engine(scenario)
+        credit(engine.credits.get("layer_specs", ()))
         return EngineLayerSpecs(engine)
 
     # -- memory: the worker's probe
@@ -468,7 +507,7 @@ class VllmBackend(ReferenceBackend):
         """The worker's ``determine_available_memory`` (vllm/v1/worker/gpu_worker.py) under the
         scenario's budget (``--kv-cache-memory-bytes``), its device reporting ``device_free_bytes``
         free (None: the budget; :func:`.worker.device_free`)."""
-        engine = self.engine(scenario)
+        engine = self._engine(scenario)
         with self._scope(scenario), _current_config(engine.config), device_free(device_free_bytes):
             return int(engine.worker.determine_available_memory())
 
@@ -483,7 +522,7 @@ class VllmBackend(ReferenceBackend):
         it, and the allocation is judged on what the engine would really ask of the worker. A
         scenario's ``num_gpu_blocks_override`` pins the engine's full pool; it is left out of the
         config of a few blocks asked here."""
-        engine = self.engine(scenario)
+        engine = self._engine(scenario)
         own = self.check_memory(self.layer_specs(scenario), scenario).bytes_per_block
         cache = engine.config.cache_config
         pinned, cache.num_gpu_blocks_override = cache.num_gpu_blocks_override, None
@@ -624,6 +663,11 @@ def _current_config(config: Any) -> Iterator[None]:
 #: "rerun_hooks" in front -> what rerun_hooks found on a copy of that engine
 _ENGINES: dict[tuple[Any, ...], Any] = {}
 CACHES.append(_ENGINES)
+
+
+def _module_of(target: type | str) -> str:
+    """The module a ``platform=`` / ``worker=`` target names (a class or ``pkg.mod:Class``)."""
+    return target.__module__ if isinstance(target, type) else str(target).partition(":")[0]
 
 
 @contextlib.contextmanager

@@ -18,11 +18,12 @@ import contextlib
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ...model import BlockChoice
+from ...provenance import Participation, participation
 from ...scenario import Scenario
 from .api import mla_prefill_missing, non_ssm_backends
 from .offline import vllm_config
@@ -42,6 +43,9 @@ class EngineSpecs:
     #: a new worker on the same config and model, asked its specs (the engine initialises a
     #: worker's KV cache once: each allocation gets its own)
     fresh_worker: Callable[[], Any]
+    #: whose code computed what the engine hands out later (:func:`~pytest_kvconform.provenance.credit`):
+    #: "block_size" (the config's hooks and ``update_block_size_for_backend``), "layer_specs"
+    credits: dict[str, list[Participation]] = field(default_factory=dict)
 
 
 #: GPU-only libraries a model's layers import that a CPU build of vLLM does not ship: building a
@@ -158,7 +162,9 @@ def build_engine_specs(scenario: Scenario, platform: type, hooks: Any) -> Engine
     vllm_runtime()
     make_worker, load_model = hooks.make_worker, hooks.load_model
     rt = scenario.runtime
-    config = vllm_config(scenario, platform)
+    plugin = hooks.plugin_code()
+    with participation(plugin) as block_credit:
+        config = vllm_config(scenario, platform)
     # vLLM's own platforms build vLLM's MLA prefill backend; a plugin's may bring its own
     vllm_platform = is_neutral(platform) or platform.__module__.startswith("vllm.")
     missing = mla_prefill_missing() if config.model_config.use_mla and vllm_platform else None
@@ -187,13 +193,15 @@ def build_engine_specs(scenario: Scenario, platform: type, hooks: Any) -> Engine
             ) from exc
         platform_cls = type(current_platform)
         backends = non_ssm_backends(platform_cls, config)
-        platform_cls.update_block_size_for_backend(config)
+        with participation(plugin) as more_block_credit:
+            platform_cls.update_block_size_for_backend(config)
         # The engine validates the finished block size (EngineCore._initialize_kv_caches runs it
         # after planning, at the smallest group's block: the one the hooks finalised unless a
         # group keeps a smaller own block). Before 0.27 it refuses an align-mode block above
         # max_num_batched_tokens (AssertionError).
         config.validate_block_size()
-        specs = worker.get_kv_cache_spec()
+        with participation(plugin) as specs_credit:
+            specs = worker.get_kv_cache_spec()
 
     def fresh_worker() -> Any:
         with (
@@ -210,7 +218,8 @@ def build_engine_specs(scenario: Scenario, platform: type, hooks: Any) -> Engine
     mamba_block = cache.mamba_block_size if cache.mamba_block_size is not None else rt.max_model_len
     padded, shared = cache.mamba_page_size_padded, getattr(cache, "skip_page_size_padded", None)
     choice = BlockChoice(int(cache.block_size), int(mamba_block), padded, shared)
-    return EngineSpecs(config, dict(specs), choice, backends, worker, fresh_worker)
+    credits = {"block_size": block_credit + more_block_credit, "layer_specs": specs_credit}
+    return EngineSpecs(config, dict(specs), choice, backends, worker, fresh_worker, credits)
 
 
 def rerun_hooks(engine: EngineSpecs, scenario: Scenario) -> dict[str, list[HookChange]]:

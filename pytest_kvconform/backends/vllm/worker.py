@@ -109,6 +109,10 @@ class RunnerStandIn:
         return None
 
 
+#: the stand-in's answers (qualified names): where one ran, vLLM core's code answered, not the plugin's
+STAND_IN_ANSWERS = ("RunnerStandIn.get_kv_cache_spec", "RunnerStandIn.profile_run")
+
+
 def build_worker(
     worker_cls: type,
     config: Any,
@@ -176,5 +180,5 @@ def _storages(x: Any, out: dict[Any, int]) -> None:
         out[("array", id(x))] = int(x.nbytes)
 
 
-__all__ = ["GPU_WORKER", "DeviceSnapshot", "RunnerStandIn", "build_worker", "bytes_held", "device_free",
-           "device_free_bytes", "is_gpu_worker", "resolve_worker", "worker_name"]  # fmt: skip
+__all__ = ["GPU_WORKER", "STAND_IN_ANSWERS", "DeviceSnapshot", "RunnerStandIn", "build_worker", "bytes_held",
+           "device_free", "device_free_bytes", "is_gpu_worker", "resolve_worker", "worker_name"]  # fmt: skip

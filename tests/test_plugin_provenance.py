@@ -1,0 +1,58 @@
+"""Whose code answered a plugin's test: the plugin's, or vLLM core's running for it.
+
+A plugin driven through the vllm backend (its Platform, its Worker) answers with its own code only
+where code of its packages runs: a worker without a model runner of its own is given the harness's
+stand-in (vLLM's ``GPUModelRunner.get_kv_cache_spec``), whose specs are vLLM core's, and vLLM's
+planner groups and checks memory for every plugin. Those answers are ``core``: never a pass of the
+plugin. The toy plugin (tests/toy_plugin/kvtoy) shows both: its platform with vLLM core's GPU
+worker (the stand-in answers its specs) and with its own worker (its code prices the layers).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+
+TOY = Path(__file__).parent / "toy_plugin"
+RULES = str(Path(__file__).resolve().parents[1] / "pytest_kvconform" / "suites" / "test_kvconform_rules.py")
+
+
+def _verdicts(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, *options: str) -> dict[str, Any]:
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TOY), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("VLLM_CACHE_ROOT", os.environ.get("VLLM_CACHE_ROOT", str(Path.cwd() / ".vllm-cache")))
+    report = pytester.path / "report.json"
+    pytester.runpytest_subprocess(
+        RULES, "--kvconform-backend=vllm", "--kvconform-backend-option=platform=kvtoy.platform:ToyPlatform",
+        *options, "-k", "(test_layer_specs or test_kv_cache_groups) and llama-3.1-8b-instruct-fp8]",
+        f"--kvconform-report={report}", "-p", "no:cacheprovider",
+    )  # fmt: skip
+    doc = json.loads(report.read_text())
+    return {r["test"].rpartition("::")[2].partition("[")[0]: r for r in doc["results"]}
+
+
+def test_a_stand_ins_specs_are_vllm_cores_not_the_plugins(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The toy platform with vLLM core's GPU worker: the worker builds no runner offline, so the
+    stand-in answers its specs with vLLM's code (before: counted as the plugin's, agreed)."""
+    got = _verdicts(pytester, monkeypatch)
+    assert got["test_layer_specs"]["verdict"] == "core", got["test_layer_specs"]
+    assert "layer_specs.layer_specs" in got["test_layer_specs"]["message"]
+    assert got["test_kv_cache_groups"]["verdict"] == "core"  # vLLM's planner groups for every plugin
+    assert got["test_layer_specs"]["answers"]["vLLM core"] >= 1  # (the toy platform's block choice: own)
+
+
+def test_the_plugins_own_worker_is_credited(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    got = _verdicts(pytester, monkeypatch, "--kvconform-backend-option=worker=kvtoy.worker:ToyWorker")
+    assert got["test_layer_specs"]["verdict"] == "agreed", got["test_layer_specs"]
+    assert got["test_layer_specs"]["answers"]["own"] >= 1
+    assert got["test_kv_cache_groups"]["verdict"] == "core"
