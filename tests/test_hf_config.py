@@ -65,6 +65,14 @@ def stated_differences(stated: ModelGeometry, read: ModelGeometry) -> list[tuple
     return out
 
 
+def assert_round_trips(scenario: Scenario, folder: Path) -> None:
+    """configs.py writes the scenario's config.json into ``folder``; read back, its [model] is the same."""
+    (folder / "config.json").write_text(json.dumps(hf_config_dict(scenario)), encoding="utf-8")
+    read = load_config_scenario(folder)
+    assert scenario.model is not None and read.model is not None
+    assert stated_differences(scenario.model, read.model) == []
+
+
 def _written() -> list[str]:
     names = []
     for name in packaged_scenario_names():
@@ -81,11 +89,7 @@ def test_every_architecture_with_a_config_writer_has_a_reader() -> None:
 @pytest.mark.parametrize("name", _written())
 def test_a_packaged_scenario_round_trips_through_its_config_json(name: str, tmp_path: Path) -> None:
     """configs.py writes the scenario's config.json; reading it back gives the same [model]."""
-    scenario = load_scenario(name)
-    (tmp_path / "config.json").write_text(json.dumps(hf_config_dict(scenario)), encoding="utf-8")
-    read = load_config_scenario(tmp_path)
-    assert scenario.model is not None and read.model is not None
-    assert stated_differences(scenario.model, read.model) == []
+    assert_round_trips(load_scenario(name), tmp_path)
 
 
 def test_every_writer_architecture_is_round_tripped() -> None:
@@ -164,11 +168,7 @@ def synthetic(arch: str) -> Scenario:
 
 @pytest.mark.parametrize("arch", sorted(SYNTHETIC))
 def test_an_architecture_no_packaged_scenario_uses_round_trips(arch: str, tmp_path: Path) -> None:
-    scenario = synthetic(arch)
-    (tmp_path / "config.json").write_text(json.dumps(hf_config_dict(scenario)), encoding="utf-8")
-    read = load_config_scenario(tmp_path)
-    assert scenario.model is not None and read.model is not None
-    assert stated_differences(scenario.model, read.model) == []
+    assert_round_trips(synthetic(arch), tmp_path)
 
 
 @pytest.mark.parametrize("model", sorted(REAL))
