@@ -50,6 +50,7 @@ from .platform import (
     cpu_probes,
     current_log,
     host_answers,
+    host_has_triton,
     is_neutral,
     neutral_platform,
     platform_name,
@@ -277,7 +278,7 @@ class VllmBackend(ReferenceBackend):
         default batches in flight: a GPU engine's host, vLLM core's or a plugin's, has Triton;
         vLLM's CPU build has none; a profile whose device host has none says so
         (:attr:`device_has_triton`)."""
-        return self.device_has_triton and platform.__module__ != "vllm.platforms.cpu"
+        return host_has_triton(platform, self.device_has_triton)
 
     def platform_for(self, scenario: Scenario | None) -> type:
         """The platform class answering for ``scenario`` (the neutral one carries its kernel

@@ -26,7 +26,16 @@ from ...scenario import Scenario
 from .attention import CPU_BUILD_LACKS
 from .config_view import parallel_config
 from .configs import QWEN35, hf_config_dict, qwen35_model_class_importable
-from .platform import HookChange, current_log, is_neutral, platform_scope, read_setting, resolve_platform
+from .platform import (
+    HookChange,
+    current_log,
+    host_has_triton,
+    platform_scope,
+    read_setting,
+    resolve_platform,
+    triton_answer,
+    triton_probe,
+)
 from .private import private
 from .runtime import UnsupportedByVllmError
 
@@ -183,9 +192,9 @@ def vllm_config(scenario: Scenario, platform: type) -> Any:
             f"not the scenario's max_position_embeddings {rt.max_model_len}",
         )
     pp = rt.pipeline_parallel_size
-    # async scheduling adds a batch in flight: 2 at PP 1, pp + 1 on the V2 model runner (the
-    # neutral platform's GPU engine: platform.triton_probe; a CPU build's V1 runner keeps pp)
-    batches = {1, 2} if pp == 1 else {pp, pp + 1} if is_neutral(platform) else {pp}
+    # async scheduling adds a batch in flight: 2 at PP 1, pp + 1 on the V2 model runner, which
+    # needs Triton as the backend's host answers it (platform.triton_probe); the V1 runner keeps pp
+    batches = {1, 2} if pp == 1 else {pp, pp + 1} if triton_answer() else {pp}
     if "max_concurrent_batches" not in rt.unset and rt.max_concurrent_batches not in batches:
         raise UnsupportedByVllmError(
             "offline_config",
@@ -363,5 +372,5 @@ def build_vllm_config(scenario: Scenario, platform: type | str | None = None) ->
     """The offline ``VllmConfig`` of ``scenario`` as ``platform`` configures it (default: vLLM
     core's neutral platform), and what that platform's ``check_and_update_config`` changed."""
     platform_cls = resolve_platform(platform)
-    with platform_scope(platform_cls) as log:
+    with platform_scope(platform_cls) as log, triton_probe(host_has_triton(platform_cls)):
         return vllm_config(scenario, platform_cls), list(log.changes)

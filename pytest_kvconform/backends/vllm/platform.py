@@ -378,6 +378,18 @@ def cpu_probes(features: str) -> Iterator[None]:
 TRITON_READERS = ("vllm.config.vllm", "vllm.v1.worker.gpu_worker")
 
 
+def host_has_triton(platform: type, device_has_triton: bool = True) -> bool:
+    """Whether ``platform``'s host has Triton: a GPU engine's, vLLM core's or a plugin's, does
+    (unless its profile says its device has none); vLLM's CPU build has none."""
+    return device_has_triton and platform.__module__ != "vllm.platforms.cpu"
+
+
+def triton_answer() -> bool:
+    """What ``HAS_TRITON`` answers now where the model runner is chosen (inside a backend's scope:
+    its :func:`triton_probe`)."""
+    return bool(importlib.import_module(TRITON_READERS[0]).HAS_TRITON)
+
+
 @contextlib.contextmanager
 def triton_probe(present: bool) -> Iterator[None]:
     """``HAS_TRITON`` answers ``present`` where the model runner is chosen (:data:`TRITON_READERS`),
