@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from .backends.registry import with_release
+from .hf_config import add_serve_args, parsed_serve_settings
 from .scenario import RuntimeSettings, ScenarioError, load_scenario, packaged_scenario_names
 
 _RUNTIME_KEYS = tuple(f.name for f in dataclasses.fields(RuntimeSettings))
@@ -78,11 +79,8 @@ def _format_text(plan: dict[str, object]) -> str:
 
 
 def _serve_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """The ``[runtime]`` values of the ``vllm serve`` options given (:func:`_add_serve_args`)."""
-    from .hf_config import SERVE_OPTIONS, serve_settings
-
-    given = {option: getattr(args, _dest(option), None) for option in (*SERVE_OPTIONS, *_SERVE_FLAGS)}
-    return serve_settings(given)
+    """The values of the ``vllm serve`` options given (:func:`~.hf_config.add_serve_args`)."""
+    return parsed_serve_settings(args)
 
 
 def _load(item: str, args: argparse.Namespace) -> Any:
@@ -94,9 +92,11 @@ def _load(item: str, args: argparse.Namespace) -> Any:
     if is_config_path(item):
         return load_config_scenario(item, runtime)
     scenario = load_scenario(item)
+    if runtime.pop("dtype", None) is not None:
+        raise CliError(f"{item}: --dtype applies to a config.json; a scenario states its [model] dtype")
     if "max_concurrent_batches" in runtime and "pipeline_parallel_size" not in runtime:  # the file's stages
         pp = scenario.runtime.pipeline_parallel_size
-        runtime["max_concurrent_batches"] = pp + 1 if getattr(args, _dest("--async-scheduling")) else pp
+        runtime["max_concurrent_batches"] = pp + 1 if args.serve_async_scheduling else pp
     return scenario.with_runtime(**runtime) if runtime else scenario
 
 
@@ -453,40 +453,6 @@ def cmd_diff(args: argparse.Namespace) -> int:
     return 0
 
 
-#: ``vllm serve``'s switches besides :data:`~.hf_config.SERVE_OPTIONS`
-_SERVE_FLAGS = ("--async-scheduling", "--disable-hybrid-kv-cache-manager", "--kv-cache-dtype-skip-layers")
-
-
-def _dest(option: str) -> str:
-    return "serve_" + option.removeprefix("--").replace("-", "_")
-
-
-def _add_serve_args(p: argparse.ArgumentParser) -> None:
-    """``vllm serve``'s sizing options, spelled as it spells them; one not given is left to the
-    scenario (a config.json: the engine's default)."""
-    from .hf_config import SERVE_OPTIONS
-
-    group = p.add_argument_group("vllm serve options (the scenario's [runtime])")
-    for option, (key, kind) in SERVE_OPTIONS.items():
-        group.add_argument(
-            option, dest=_dest(option), type=kind, metavar=key.upper(), help=f"[runtime] {key}"
-        )
-    flag = "--async-scheduling"
-    group.add_argument(
-        flag,
-        dest=_dest(flag),
-        default=None,
-        action=argparse.BooleanOptionalAction,
-        help="max_concurrent_batches: the pipeline's stages + 1 with, the stages without",
-    )
-    flag = "--disable-hybrid-kv-cache-manager"
-    group.add_argument(flag, dest=_dest(flag), action="store_true", default=None,
-                       help="[runtime] disable_hybrid_kv_cache_manager")  # fmt: skip
-    flag = "--kv-cache-dtype-skip-layers"
-    group.add_argument(flag, dest=_dest(flag), metavar="LAYERS",
-                       help="comma-separated layer indices or sliding_window")  # fmt: skip
-
-
 def cmd_scenario(args: argparse.Namespace) -> int:
     """Print the ``kv-scenario/1`` TOML of a config.json (or model directory)."""
     from .hf_config import scenario_toml
@@ -512,7 +478,7 @@ def parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="plan one scenario (a packaged name, a TOML path or a config.json)")
     p.add_argument("scenario")
-    _add_serve_args(p)
+    add_serve_args(p)
     p.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE",
                    help="override a [runtime] setting; repeatable")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -526,7 +492,7 @@ def parser() -> argparse.ArgumentParser:
         help="packaged scenario names, TOML files, config.json files, model directories or folders of "
         "*.toml (default: all packaged)",
     )
-    _add_serve_args(p)
+    add_serve_args(p)
     p.add_argument("--json", action="store_true", help="print the report document (kvconform-report/2)")
     p.add_argument("--report", metavar="PATH", help="also write the report: PATH.json, else Markdown")
     p.add_argument("--xfails", metavar="PATH", help="TOML file of known departures, as --kvconform-xfails")
@@ -539,13 +505,13 @@ def parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_check)
     p = sub.add_parser("explain", help="the derivation of one scenario, step by step")
     p.add_argument("scenario")
-    _add_serve_args(p)
+    add_serve_args(p)
     p.add_argument("--svg", metavar="FILE", help="draw one pool block (pages and padding) of a hybrid")
     _add_backend_args(p)
     p.set_defaults(run=cmd_explain)
     p = sub.add_parser("diff", help="a scenario's plan under one vLLM release's rules and another's")
     p.add_argument("scenario")
-    _add_serve_args(p)
+    add_serve_args(p)
     p.add_argument("--vllm", metavar="RELEASE", action="append", default=[],
                    help="give it twice: the release to move from, then the one to move to")  # fmt: skip
     p.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE",
@@ -555,7 +521,7 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("scenario", help="print the kv-scenario/1 TOML of a model's config.json (offline)")
     p.add_argument("path", help="a config.json, or the model directory holding it")
     p.add_argument("--name", help="the scenario's name (default: the directory's name)")
-    _add_serve_args(p)
+    add_serve_args(p)
     p.set_defaults(run=cmd_scenario)
     sub.add_parser("list", help="list the packaged scenarios").set_defaults(
         run=lambda args: print("\n".join(packaged_scenario_names())) or 0

@@ -11,7 +11,9 @@ Nothing here imports vLLM or transformers, and nothing is downloaded.
 
 from __future__ import annotations
 
+import argparse
 import json
+import shlex
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -380,8 +382,9 @@ def is_config_path(item: str | Path) -> bool:
     return (p.is_file() and p.suffix == ".json") or (p.is_dir() and (p / "config.json").is_file())
 
 
-def read_config(path: str | Path) -> ReadConfig:
-    """The KV geometry of the config.json at ``path`` (a file or a model directory)."""
+def read_config(path: str | Path, dtype: str | None = None) -> ReadConfig:
+    """The KV geometry of the config.json at ``path`` (a file or a model directory), served in
+    ``dtype`` (``vllm serve --dtype``; ``None`` or ``auto``: the config's own, see :func:`_dtype`)."""
     file = config_path(path)
     source = str(file)
     try:
@@ -405,7 +408,8 @@ def read_config(path: str | Path) -> ReadConfig:
     cfg = _Config(text, source, "text_config.") if isinstance(text, dict) else _Config(data, source)
     read = ReadConfig()
     read.model["architecture"] = (arch, "architectures[0]" if arch == archs[0] else "kvconform_substitutes")
-    read.model["dtype"] = _dtype(cfg, _Config(data, source))
+    served = dtype not in (None, "auto")
+    read.model["dtype"] = (dtype, "--dtype") if served else _dtype(cfg, _Config(data, source))
     read.model["num_hidden_layers"] = _num_layers(cfg)
     if cfg.has("max_position_embeddings"):
         read.model["max_position_embeddings"] = cfg.need("max_position_embeddings")
@@ -429,16 +433,25 @@ def _num_layers(cfg: _Config) -> Sourced:
 
 
 def _dtype(cfg: _Config, top: _Config) -> Sourced:
-    """``torch_dtype`` (transformers 4) or ``dtype`` (transformers 5), of the text config or the file."""
+    """``torch_dtype`` (transformers 4) or ``dtype`` (transformers 5), of the text config or the file:
+    what ``--dtype auto`` serves, but for a float32 model, which vLLM serves in the platform's first
+    supported dtype (``_resolve_auto_dtype`` in vllm/config/model.py, vLLM 0.32): that is the
+    platform's choice, so ``--dtype`` must say it."""
     for where in (cfg, top):
         for key in ("torch_dtype", "dtype"):
             if where.has(key):
-                return where.need(key, str)
+                value = where.need(key, str)
+                if value[0] in ("float32", "float"):
+                    problem = "--dtype auto serves it in the platform's first supported dtype"
+                    problem += " (vLLM's _resolve_auto_dtype); give --dtype"
+                    raise where.error(key, f"{value[0]}: {problem}")
+                return value
     raise top.error("torch_dtype", "missing (nor dtype): give --dtype")
 
 
 #: ``vllm serve`` options -> the ``[runtime]`` key each sets (an ``int`` or a ``str`` value)
 SERVE_OPTIONS: dict[str, tuple[str, type]] = {
+    "--dtype": ("dtype", str),  # the [model]'s dtype, not a [runtime] key
     "--block-size": ("block_size", int),
     "--kv-cache-dtype": ("kv_cache_dtype", str),
     "--tensor-parallel-size": ("tensor_parallel_size", int),
@@ -456,11 +469,73 @@ SERVE_OPTIONS: dict[str, tuple[str, type]] = {
 }
 
 
+#: ``vllm serve``'s switches besides :data:`SERVE_OPTIONS`
+SERVE_FLAGS = ("--async-scheduling", "--disable-hybrid-kv-cache-manager", "--kv-cache-dtype-skip-layers")
+
+#: A model directory's ``vllm serve`` options (one line, as a bug report gives them): read with its
+#: config.json wherever the directory is a scenario; options given on a command line win.
+SERVE_ARGS_FILE = "vllm-serve-args"
+
+
+def _dest(option: str) -> str:
+    return "serve_" + option.removeprefix("--").replace("-", "_")
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    """``vllm serve``'s sizing options, spelled as it spells them; one not given is left to the
+    scenario (a config.json: the engine's default)."""
+    group = p.add_argument_group("vllm serve options (the scenario's [runtime], and --dtype its [model])")
+    for option, (key, kind) in SERVE_OPTIONS.items():
+        group.add_argument(option, dest=_dest(option), type=kind, metavar=key.upper(),
+                           help=f"[model] {key}" if key == "dtype" else f"[runtime] {key}")  # fmt: skip
+    flag = "--async-scheduling"
+    group.add_argument(
+        flag,
+        dest=_dest(flag),
+        default=None,
+        action=argparse.BooleanOptionalAction,
+        help="max_concurrent_batches: the pipeline's stages + 1 with, the stages without",
+    )
+    flag = "--disable-hybrid-kv-cache-manager"
+    group.add_argument(flag, dest=_dest(flag), action="store_true", default=None,
+                       help="[runtime] disable_hybrid_kv_cache_manager")  # fmt: skip
+    flag = "--kv-cache-dtype-skip-layers"
+    group.add_argument(flag, dest=_dest(flag), metavar="LAYERS",
+                       help="comma-separated layer indices or sliding_window")  # fmt: skip
+
+
+def parsed_serve_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The values of the options :func:`add_serve_args` parsed into ``args`` (:func:`serve_settings`)."""
+    options = (*SERVE_OPTIONS, *SERVE_FLAGS)
+    return serve_settings({option: getattr(args, _dest(option), None) for option in options})
+
+
+class _ArgsFileParser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:
+        raise ValueError(message)
+
+
+def serve_args_file(path: str | Path) -> dict[str, Any]:
+    """The settings of the :data:`SERVE_ARGS_FILE` beside the config.json at ``path`` ({} if none);
+    a bad option is a :class:`ConfigError` naming the file."""
+    file = config_path(path).parent / SERVE_ARGS_FILE
+    if not file.is_file():
+        return {}
+    parser = _ArgsFileParser(prog=SERVE_ARGS_FILE, add_help=False)
+    add_serve_args(parser)
+    try:
+        args = parser.parse_args(shlex.split(file.read_text(encoding="utf-8"), comments=True))
+    except ValueError as exc:
+        raise ConfigError(str(file), "options", str(exc)) from None
+    return parsed_serve_settings(args)
+
+
 def serve_settings(options: Mapping[str, Any]) -> dict[str, Any]:
-    """``[runtime]`` values from ``vllm serve`` options given (``None``: left to the engine), keyed
-    by runtime key (a stated ``block_size`` is a ``--block-size``): ``--async-scheduling`` /
-    ``--no-async-scheduling`` are ``max_concurrent_batches`` at pipeline size 1,
-    ``--disable-hybrid-kv-cache-manager`` and ``--kv-cache-dtype-skip-layers`` pass through."""
+    """Values of the ``vllm serve`` options given (``None``: left to the engine), keyed by the
+    ``[runtime]`` key each sets (``dtype``: the [model]'s; a stated ``block_size`` is a
+    ``--block-size``): ``--async-scheduling`` / ``--no-async-scheduling`` are
+    ``max_concurrent_batches`` at pipeline size 1, ``--disable-hybrid-kv-cache-manager`` and
+    ``--kv-cache-dtype-skip-layers`` pass through."""
     runtime = {SERVE_OPTIONS[o][0]: v for o, v in options.items() if o in SERVE_OPTIONS and v is not None}
     if options.get("--async-scheduling") is not None:
         pp = runtime.get("pipeline_parallel_size", 1)
@@ -489,13 +564,14 @@ def _lines(values: Mapping[str, Sourced]) -> list[str]:
 def scenario_toml(path: str | Path, runtime: Mapping[str, Any] | None = None, name: str | None = None) -> str:
     """The ``kv-scenario/1`` TOML of the config.json at ``path``: each model field commented with
     the key it came from; ``runtime`` (``[runtime]`` keys, e.g. from :func:`serve_settings`) as
-    given, the rest left to the engine's defaults (``max_model_len``: the config's
-    ``max_position_embeddings``, as ``vllm serve`` derives it)."""
-    read = read_config(path)
+    given over those of the model directory's :data:`SERVE_ARGS_FILE`, the rest left to the engine's
+    defaults (``max_model_len``: the config's ``max_position_embeddings``, as ``vllm serve``
+    derives it)."""
+    settings = {**serve_args_file(path), **(runtime or {})}
+    read = read_config(path, settings.pop("dtype", None))
     file = config_path(path)
     model = dict(read.model)
     arch = model.pop("architecture")
-    settings = dict(runtime or {})
     if "max_model_len" not in settings:
         derived = model.get("max_position_embeddings")
         if derived is None:

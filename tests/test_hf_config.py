@@ -40,6 +40,63 @@ REAL = {
     "llama-3.1-8b-instruct": "llama-3.1-8b-instruct-fp8",
 }
 
+#: tests/data/configs/<model> with no packaged scenario -> its [model], read by hand off the
+#: published file (tests/data/configs/README.md) and the model's own code (comments)
+HAND_READ = {
+    # 42 layers alternating from a sliding layer 0 (Gemma2Config's layer_types default, vLLM's
+    # Gemma2Attention); served in bfloat16 (its vllm-serve-args: the weights are float32)
+    "gemma-2-9b": """architecture = "Gemma2ForCausalLM"
+dtype = "bfloat16"
+num_hidden_layers = 42
+layers = "SASASASASASASASASASASASASASASASASASASASASA"
+max_position_embeddings = 8192
+[model.attention]
+kind = "gqa"
+num_kv_heads = 8
+head_dim = 256
+sliding_window = 4096""",
+    # MLA on all 27 layers: the latent (kv_lora_rank 512) and the rope part (64) per token
+    "deepseek-v2-lite": """architecture = "DeepseekV2ForCausalLM"
+dtype = "bfloat16"
+num_hidden_layers = 27
+layers = "AAAAAAAAAAAAAAAAAAAAAAAAAAA"
+max_position_embeddings = 163840
+[model.attention]
+kind = "mla"
+kv_lora_rank = 512
+qk_rope_head_dim = 64""",
+    # 10 short-conv + 6 attention layers (2, 5, 8, 10, 12, 14); head size 2048 / 32 = 64
+    "lfm2-1.2b": """architecture = "Lfm2ForCausalLM"
+dtype = "bfloat16"
+num_hidden_layers = 16
+layers = "MMAMMAMMAMAMAMAM"
+max_position_embeddings = 128000
+[model.attention]
+kind = "gqa"
+num_kv_heads = 8
+head_dim = 64
+[model.state]
+kind = "short_conv"
+conv_dim = 2048
+conv_kernel = 3""",
+    # attention where i % 8 == 4 (layers 4, 12, 20, 28), Mamba elsewhere; head size 4096 / 32 = 128;
+    # the Mamba inner width 2 * 4096
+    "jamba-v0.1": """architecture = "JambaForCausalLM"
+dtype = "bfloat16"
+num_hidden_layers = 32
+layers = "MMMMAMMMMMMMAMMMMMMMAMMMMMMMAMMM"
+max_position_embeddings = 262144
+[model.attention]
+kind = "gqa"
+num_kv_heads = 8
+head_dim = 128
+[model.state]
+kind = "mamba1"
+intermediate_size = 8192
+d_state = 16
+conv_kernel = 4""",
+}
+
 
 def stated_differences(stated: ModelGeometry, read: ModelGeometry) -> list[tuple[str, object, object]]:
     """Fields of ``stated`` (a packaged [model]) that ``read`` gives otherwise; a field the file
@@ -66,9 +123,11 @@ def stated_differences(stated: ModelGeometry, read: ModelGeometry) -> list[tuple
 
 
 def assert_round_trips(scenario: Scenario, folder: Path) -> None:
-    """configs.py writes the scenario's config.json into ``folder``; read back, its [model] is the same."""
+    """configs.py writes the scenario's config.json into ``folder``; read back, its [model] is the same
+    (a float32 model served with ``--dtype float32``: ``--dtype auto`` leaves it to the platform)."""
     (folder / "config.json").write_text(json.dumps(hf_config_dict(scenario)), encoding="utf-8")
-    read = load_config_scenario(folder)
+    assert scenario.model is not None
+    read = load_config_scenario(folder, {"dtype": "float32"} if scenario.model.dtype == "float32" else {})
     assert scenario.model is not None and read.model is not None
     assert stated_differences(scenario.model, read.model) == []
 
@@ -182,6 +241,45 @@ def test_a_real_config_json_reads_as_the_packaged_scenario(model: str) -> None:
     assert stated_differences(packaged.model, read.model) == []
 
 
+@pytest.mark.parametrize("model", sorted(HAND_READ))
+def test_a_real_config_json_reads_as_read_by_hand(model: str) -> None:
+    """The architectures no packaged scenario covers: the published file (and its vllm-serve-args)
+    reads as the [model] written by hand from the same file."""
+    read = load_config_scenario(CONFIGS / model)
+    text = f'schema = "kv-scenario/1"\nname = "{model}"\n[model]\n{HAND_READ[model]}\n'
+    hand = parse_scenario(text + "[runtime]\nmax_model_len = 4096\n", model)
+    assert hand.model is not None and read.model is not None
+    assert stated_differences(hand.model, read.model) == []
+
+
+def test_every_real_config_json_is_checked() -> None:
+    assert sorted(p.name for p in CONFIGS.iterdir() if p.is_dir()) == sorted([*REAL, *HAND_READ])
+
+
+def test_a_float32_model_needs_the_served_dtype(tmp_path: Path) -> None:
+    """vLLM's --dtype auto serves a float32 checkpoint in the platform's first supported dtype: the
+    file alone does not say, so reading it without --dtype names the key; a model directory's
+    vllm-serve-args or the command line says it (the command line wins)."""
+    data = json.loads((CONFIGS / "gemma-2-9b" / "config.json").read_text(encoding="utf-8"))
+    (tmp_path / "config.json").write_text(json.dumps(data), encoding="utf-8")
+    with pytest.raises(ConfigError, match="torch_dtype: float32: --dtype auto serves it"):
+        load_config_scenario(tmp_path)
+    (tmp_path / "vllm-serve-args").write_text("--dtype float16 --block-size 32\n", encoding="utf-8")
+    read = load_config_scenario(tmp_path)
+    assert read.model is not None and read.model.dtype == "float16"
+    assert read.runtime.block_size == 32
+    assert load_config_scenario(tmp_path, {"dtype": "float32"}).model.dtype == "float32"
+
+
+def test_a_bad_vllm_serve_args_file_names_it(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(
+        (CONFIGS / "lfm2-1.2b" / "config.json").read_text(), encoding="utf-8"
+    )
+    (tmp_path / "vllm-serve-args").write_text("--block-size sixteen\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match="vllm-serve-args: options: argument --block-size"):
+        load_config_scenario(tmp_path)
+
+
 def test_every_model_field_names_the_key_it_came_from() -> None:
     text = scenario_toml(CONFIGS / "granite-4.0-h-tiny")
     assert 'layers = "MMMMMAMMMMMMMMMAMMMMMMMMMAMMMMMMMMMAMMMM"  # layer_types' in text
@@ -262,6 +360,18 @@ def test_a_bad_config_json_is_a_one_line_error(capsys: pytest.CaptureFixture[str
     assert main(["plan", str(path / "config.json")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "torch_dtype: missing" in err
+
+
+def test_dtype_is_a_config_json_option(capsys: pytest.CaptureFixture[str]) -> None:
+    """--dtype serves a config.json's model; a scenario file states its [model] dtype itself."""
+    # a layer's token: K and V, 8 KV heads x 256 each, 4 bytes in float32 and 2 in bfloat16
+    served = _plan(capsys, str(CONFIGS / "gemma-2-9b"), "--max-model-len", "4096")  # vllm-serve-args: bf16
+    assert served["attn_bytes_per_token_per_layer"] == 2 * 8 * 256 * 2
+    fp32 = _plan(capsys, str(CONFIGS / "gemma-2-9b"), "--dtype", "float32", "--max-model-len", "4096")
+    assert fp32["attn_bytes_per_token_per_layer"] == 2 * 8 * 256 * 4
+    assert main(["plan", "granite-4.0-h-tiny", "--dtype", "float16"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--dtype applies to a config.json" in err
 
 
 def test_async_scheduling_counts_the_files_pipeline_stages(capsys: pytest.CaptureFixture[str]) -> None:
