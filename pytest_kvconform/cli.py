@@ -207,21 +207,18 @@ def _judged(args: argparse.Namespace) -> tuple[Any, Any, tuple[Any, str]]:
 
 def _scenarios(items: Sequence[str], args: argparse.Namespace) -> list[Any]:
     """Packaged scenarios when ``items`` is empty; else each name, file or model directory, and
-    every ``*.toml`` of another folder; each with the ``vllm serve`` options given."""
-    from .hf_config import is_config_path
+    every ``*.toml`` and model directory of another folder (:func:`~.hf_config.scenario_files`);
+    each with the ``vllm serve`` options given."""
+    from .hf_config import scenario_files
 
     if not items:
         return [_load(n, args) for n in packaged_scenario_names()]
     found = []
     for item in items:
-        path = Path(item)
-        if path.is_dir() and not is_config_path(path):
-            files = sorted(path.glob("*.toml"))
-            if not files:
-                raise CliError(f"{item}: no *.toml scenario files nor a config.json in this folder")
-            found += [_load(str(f), args) for f in files]
-        else:
-            found.append(_load(item, args))
+        files = scenario_files(item) if Path(item).exists() else [Path(item)]
+        if not files:
+            raise CliError(f"{item}: no *.toml scenario files nor a config.json in this folder")
+        found += [_load(str(f), args) for f in files]
     return found
 
 

@@ -382,6 +382,15 @@ def is_config_path(item: str | Path) -> bool:
     return (p.is_file() and p.suffix == ".json") or (p.is_dir() and (p / "config.json").is_file())
 
 
+def scenario_files(path: str | Path) -> list[Path]:
+    """What ``path`` names as scenarios: itself (a scenario file, a config.json or a model
+    directory), or a folder's ``*.toml`` files and the model directories a level down."""
+    p = Path(path)
+    if not p.is_dir() or is_config_path(p):
+        return [p]
+    return sorted(p.glob("*.toml")) + sorted(q.parent for q in p.glob("*/config.json"))
+
+
 def read_config(path: str | Path, dtype: str | None = None) -> ReadConfig:
     """The KV geometry of the config.json at ``path`` (a file or a model directory), served in
     ``dtype`` (``vllm serve --dtype``; ``None`` or ``auto``: the config's own, see :func:`_dtype`)."""

@@ -158,19 +158,14 @@ class KVConformSession:
         A malformed file is a usage error naming the file and the key.
         """
         if self._scenarios is None:
-            from .hf_config import is_config_path, load_config_scenario
+            from .hf_config import is_config_path, load_config_scenario, scenario_files
             from .scenario import ScenarioError, load_scenario, packaged_scenario_names
 
             try:
                 found = [load_scenario(n) for n in packaged_scenario_names()]
                 for path in self.extra_scenario_paths:
-                    if is_config_path(path):
-                        found.append(load_config_scenario(path))
-                        continue
-                    files = sorted(path.glob("*.toml")) if path.is_dir() else [path]
-                    found.extend(load_scenario(f) for f in files)
-                    models = sorted(p for p in path.glob("*/config.json")) if path.is_dir() else []
-                    found.extend(load_config_scenario(p) for p in models)
+                    for f in scenario_files(path):
+                        found.append(load_config_scenario(f) if is_config_path(f) else load_scenario(f))
             except ScenarioError as exc:
                 raise pytest.UsageError(f"kvconform: bad scenario: {exc}") from None
             self._scenarios = found

@@ -112,7 +112,8 @@ def test_neutral_platform_hooks_change_nothing(monkeypatch: pytest.MonkeyPatch, 
     assert backend.departures == {}
     assert backend.notes() == [
         "vLLM platform rules: neutral (vllm.platforms.interface.Platform defaults)",
-        "worker: vllm.v1.worker.gpu_worker.Worker",
+        "worker: vllm.v1.worker.gpu_worker.Worker (init_device not run (needs a CUDA device), "
+        "load_model vLLM's layers on meta)",
     ]
 
 
@@ -133,7 +134,8 @@ def test_cpu_platform_reads_the_fake_host(monkeypatch: pytest.MonkeyPatch, torch
     )
     assert backend.notes()[:2] == [
         f"vLLM platform rules: {CPU_PLATFORM}",
-        "worker: vllm.v1.worker.gpu_worker.Worker",
+        "worker: vllm.v1.worker.gpu_worker.Worker (init_device not run (needs a CUDA device), "
+        "load_model vLLM's layers on meta)",
     ]
 
 

@@ -73,8 +73,10 @@ from .runtime import (
 from .worker import (
     GPU_WORKER,
     STAND_IN_ANSWERS,
+    WorkerSteps,
     build_worker,
     bytes_held,
+    default_steps,
     device_free,
     resolve_worker,
     worker_name,
@@ -247,10 +249,18 @@ class VllmBackend(ReferenceBackend):
     def notes(self) -> list[str]:
         """For the header: whose config hooks and block-size phases are applied."""
         notes = [f"vLLM platform rules: {platform_name(self._platform_arg)}",
-                 f"worker: {worker_name(self._worker_arg)}"]  # fmt: skip
+                 f"worker: {worker_name(self._worker_arg)} ({self._steps_note()})"]  # fmt: skip
         if self.cpu_features != "native":
             notes.append(f"CPU feature probes answer as {self.cpu_features}")
         return notes
+
+    def _steps_note(self) -> str:
+        """:meth:`worker_steps` for the header; a worker that does not import yet is named so (its
+        tests report the import error itself)."""
+        try:
+            return self.worker_steps().describe()
+        except ImportError as exc:
+            return f"its steps undecided: {exc}"
 
     # ------------------------------------------------------------------ the platform
 
@@ -413,10 +423,16 @@ class VllmBackend(ReferenceBackend):
             with contextlib.suppress(Exception):
                 self._engine(scenario)
 
+    def worker_steps(self) -> WorkerSteps:
+        """How this backend's worker runs ``init_device`` and ``load_model`` (:class:`.worker.WorkerSteps`):
+        a plugin's worker its own, vLLM core's GPU worker neither; a profile may replace them."""
+        return default_steps(_resolved_worker(self._worker_arg))
+
     def make_worker(self, config: Any, distributed_init_method: str) -> Any:
-        """The worker of this backend on ``config``, without a device (:mod:`.worker`); a
-        plugin's profile overrides it when its worker needs more (a mesh, a runner of its own)."""
-        return build_worker(_resolved_worker(self._worker_arg), config, distributed_init_method)
+        """The worker of this backend on ``config``, without a device, its ``init_device`` run as
+        :meth:`worker_steps` say (:mod:`.worker`)."""
+        worker_cls = _resolved_worker(self._worker_arg)
+        return build_worker(worker_cls, config, distributed_init_method, self.worker_steps())
 
     def building_model(self) -> contextlib.AbstractContextManager[Any]:
         """A context the model's layers are built in, besides ``torch.device("meta")``: none for

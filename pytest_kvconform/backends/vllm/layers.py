@@ -29,6 +29,7 @@ from .api import mla_prefill_missing, non_ssm_backends
 from .offline import vllm_config
 from .platform import HookChange, config_snapshot, config_without_model, diff, is_neutral
 from .runtime import LOCK, UnsupportedByVllmError, vllm_runtime
+from .worker import WorkerSteps
 
 
 @dataclass(frozen=True)
@@ -140,6 +141,36 @@ def build_drafter(config: Any) -> None:
         model_cls(vllm_config=config, prefix="")
 
 
+def _load_model(worker: Any, config: Any, hooks: Any, steps: WorkerSteps) -> Any:
+    """The worker's ``load_model`` as ``steps`` say: its own or the profile's hook
+    (``hooks.load_model(worker, None)``), its runner building the model it builds (None), or
+    vLLM's model on ``meta``, as ``GPUModelRunner.load_model`` builds it with its drafter,
+    handed to ``hooks.load_model(worker, model)`` (returned)."""
+    import torch
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    if steps.load_model == "own":
+        worker.load_model()
+        return None
+    if steps.load_model == "hook":
+        hooks.load_model(worker, None)
+        return None
+    try:
+        # DefaultModelLoader.load_model builds it under the model's dtype, which the layers'
+        # attention-backend selection reads (torch.get_default_dtype())
+        with set_default_torch_dtype(config.model_config.dtype), torch.device("meta"), hooks.building_model():
+            model = _model_class(config)(vllm_config=config, prefix="")
+            build_drafter(config)
+        hooks.load_model(worker, model)
+    except ImportError as exc:  # only a GPU library a CPU build lacks; anything else crashes
+        if (exc.name or "").partition(".")[0] not in GPU_ONLY_MODULES:
+            raise
+        raise UnsupportedByVllmError(
+            "cpu_build", f"{config.model_config.architecture} imports {exc.name}, which this CPU build lacks"
+        ) from exc
+    return model
+
+
 def build_engine_specs(scenario: Scenario, platform: type, hooks: Any) -> EngineSpecs:
     """In the engine's order (``UniProcExecutor._init_executor``: the worker, its device, its
     model, then ``update_block_size_for_backend``): the worker
@@ -154,13 +185,11 @@ def build_engine_specs(scenario: Scenario, platform: type, hooks: Any) -> Engine
     Call inside ``platform_scope(platform)``. Pieces that cannot run offline raise
     :class:`UnsupportedByVllmError` naming them.
     """
-    import torch
     from vllm.config import set_current_vllm_config
     from vllm.platforms import current_platform
-    from vllm.utils.torch_utils import set_default_torch_dtype
 
     vllm_runtime()
-    make_worker, load_model = hooks.make_worker, hooks.load_model
+    make_worker, steps = hooks.make_worker, hooks.worker_steps()
     rt = scenario.runtime
     plugin = hooks.plugin_code()
     with participation(plugin) as block_credit:
@@ -168,29 +197,12 @@ def build_engine_specs(scenario: Scenario, platform: type, hooks: Any) -> Engine
     # vLLM's own platforms build vLLM's MLA prefill backend; a plugin's may bring its own
     vllm_platform = is_neutral(platform) or platform.__module__.startswith("vllm.")
     missing = mla_prefill_missing() if config.model_config.use_mla and vllm_platform else None
-    if missing:
+    if missing and steps.load_model == "vllm_layers":
         raise UnsupportedByVllmError("cpu_build", f"{config.model_config.architecture}: {missing}")
     groups = parallel_groups(rt.tensor_parallel_size, rt.decode_context_parallel_size)
     with LOCK, set_current_vllm_config(config), groups:
         worker = make_worker(config, f"file://{_DISTRIBUTED[0]}")
-        try:
-            # DefaultModelLoader.load_model builds it under the model's dtype, which the layers'
-            # attention-backend selection reads (torch.get_default_dtype())
-            with (
-                set_default_torch_dtype(config.model_config.dtype),
-                torch.device("meta"),
-                hooks.building_model(),
-            ):
-                model = _model_class(config)(vllm_config=config, prefix="")
-                build_drafter(config)
-            load_model(worker, model)
-        except ImportError as exc:  # only a GPU library a CPU build lacks; anything else crashes
-            if (exc.name or "").partition(".")[0] not in GPU_ONLY_MODULES:
-                raise
-            raise UnsupportedByVllmError(
-                "cpu_build",
-                f"{config.model_config.architecture} imports {exc.name}, which this CPU build lacks",
-            ) from exc
+        model = _load_model(worker, config, hooks, steps)
         platform_cls = type(current_platform)
         backends = non_ssm_backends(platform_cls, config)
         with participation(plugin) as more_block_credit:
@@ -210,7 +222,10 @@ def build_engine_specs(scenario: Scenario, platform: type, hooks: Any) -> Engine
             parallel_groups(rt.tensor_parallel_size, rt.decode_context_parallel_size),
         ):
             new = make_worker(config, f"file://{_DISTRIBUTED[0]}")
-            load_model(new, model)
+            if steps.load_model == "own":
+                new.load_model()
+            else:
+                hooks.load_model(new, model)
             new.get_kv_cache_spec()
             return new
 

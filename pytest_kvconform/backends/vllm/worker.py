@@ -13,9 +13,16 @@ class is vLLM core's GPU worker (``vllm.v1.worker.gpu_worker:Worker``) by defaul
   ``update_block_size_for_backend``); by ``get_kv_cache_spec`` the model's layers exist on the
   ``meta`` device (``compilation_config.static_forward_context``) and
   ``update_block_size_for_backend`` ran;
-* ``init_device`` and ``load_model`` are never called: no device, no weights. If the worker has no
-  ``model_runner`` after construction, it gets :class:`RunnerStandIn`: ``get_kv_cache_spec()`` is
-  vLLM's ``GPUModelRunner.get_kv_cache_spec`` over those layers, ``profile_run()`` does nothing;
+* ``init_device`` and ``load_model`` run as the engine runs them, short of a device and weights
+  (:class:`WorkerSteps`, which the report's header names): a plugin's worker runs its own, and
+  a runner that builds its own model (vllm-metal's, through mlx-lm) builds it from the
+  config.json the harness writes, with none of vLLM's layers; vLLM core's GPU worker (and a
+  subclass that keeps its ``init_device`` and ``load_model``) runs neither, as they need a CUDA
+  device: the harness builds vLLM's layers on ``meta`` as ``GPUModelRunner.load_model`` would,
+  and the worker gets :class:`RunnerStandIn` (vLLM's ``GPUModelRunner.get_kv_cache_spec`` over
+  those layers, a ``profile_run()`` that does nothing), whose answers are vLLM core's; a plugin
+  profile whose worker needs its device replaces ``init_device`` with its hook (its runner on
+  the CPU) and gets vLLM's layers;
 * ``cache_config.kv_cache_memory_bytes`` is the scenario's ``kv_cache_memory_bytes``
   (``--kv-cache-memory-bytes``), the engine's budget, which ``determine_available_memory`` returns
   (vLLM core's GPU worker does). The device's free memory (``init_snapshot.free_memory``; a
@@ -35,7 +42,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Callable, Iterator
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 #: vLLM core's worker: the default
 GPU_WORKER = "vllm.v1.worker.gpu_worker:Worker"
@@ -92,6 +100,34 @@ class DeviceSnapshot:
         return device_free_bytes(self._config)
 
 
+@dataclass(frozen=True)
+class WorkerSteps:
+    """How a worker's ``init_device`` and ``load_model`` run here: ``own`` (the worker's code;
+    its ``load_model`` builds the model its runner builds, and vLLM's layers are not built),
+    ``hook`` (the plugin profile's ``init_device(worker)`` / ``load_model(worker, None)``: what
+    the worker's own makes, short of the device and the weights), ``skipped`` (vLLM core's GPU
+    worker's needs a CUDA device), or ``vllm_layers`` (vLLM's model on ``meta``, as
+    ``GPUModelRunner.load_model`` builds it, handed to the profile's ``load_model(worker, model)``)."""
+
+    init_device: Literal["own", "hook", "skipped"]
+    load_model: Literal["own", "hook", "vllm_layers"]
+
+    def describe(self) -> str:
+        how = {"own": "its own", "hook": "the profile's hook", "skipped": "not run (needs a CUDA device)",
+               "vllm_layers": "vLLM's layers on meta"}  # fmt: skip
+        no_layers = " (no vLLM layers)" if self.load_model != "vllm_layers" else ""
+        return f"init_device {how[self.init_device]}, load_model {how[self.load_model]}{no_layers}"
+
+
+def default_steps(worker_cls: type) -> WorkerSteps:
+    """A worker's own steps, except those it keeps of vLLM core's GPU worker (they need a device)."""
+    gpu = resolve_worker(GPU_WORKER)
+    keeps = issubclass(worker_cls, gpu)
+    init = "skipped" if keeps and worker_cls.init_device is gpu.init_device else "own"
+    load = "vllm_layers" if keeps and worker_cls.load_model is gpu.load_model else "own"
+    return WorkerSteps(init, load)  # type: ignore[arg-type]
+
+
 class RunnerStandIn:
     """The model runner of a worker built without a device: the layers' specs through vLLM's own
     ``GPUModelRunner.get_kv_cache_spec``, a profile run that runs nothing."""
@@ -117,18 +153,23 @@ def build_worker(
     worker_cls: type,
     config: Any,
     distributed_init_method: str,
+    steps: WorkerSteps,
     init_device: Callable[[Any], Any] | None = None,
 ) -> Any:
-    """``worker_cls`` on ``config``, without a device (the contract above), then ``init_device``
-    (a plugin profile's: what the worker's own ``init_device`` makes besides the device and the
-    process group). Call inside the platform's scope, under ``set_current_vllm_config(config)``."""
+    """``worker_cls`` on ``config``, without a device (the contract above), then its
+    ``init_device`` as ``steps`` say: its own, the profile's hook ``init_device`` (what the
+    worker's own makes besides the device and the process group), or none (vLLM core's GPU
+    worker: the stand-in runner). Call inside the platform's scope, under
+    ``set_current_vllm_config(config)``."""
     worker = worker_cls(
         vllm_config=config, local_rank=0, rank=0, distributed_init_method=distributed_init_method,
         is_driver_worker=True,
     )  # fmt: skip
-    if init_device is not None:
+    if steps.init_device == "own":
+        worker.init_device()
+    elif steps.init_device == "hook" and init_device is not None:
         init_device(worker)
-    if getattr(worker, "model_runner", None) is None:
+    if steps.init_device != "own" and getattr(worker, "model_runner", None) is None:
         worker.model_runner = RunnerStandIn(config)
     if not hasattr(worker, "init_snapshot"):
         worker.init_snapshot = DeviceSnapshot(config)
@@ -180,5 +221,6 @@ def _storages(x: Any, out: dict[Any, int]) -> None:
         out[("array", id(x))] = int(x.nbytes)
 
 
-__all__ = ["GPU_WORKER", "STAND_IN_ANSWERS", "DeviceSnapshot", "RunnerStandIn", "build_worker", "bytes_held",
-           "device_free", "device_free_bytes", "is_gpu_worker", "resolve_worker", "worker_name"]  # fmt: skip
+__all__ = ["GPU_WORKER", "STAND_IN_ANSWERS", "DeviceSnapshot", "RunnerStandIn", "WorkerSteps",
+           "build_worker", "bytes_held", "default_steps", "device_free", "device_free_bytes", "is_gpu_worker",
+           "resolve_worker", "worker_name"]  # fmt: skip

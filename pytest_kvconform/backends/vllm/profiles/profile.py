@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 from ....requirements import SPECULATIVE, Declines
 from ..backend import VllmBackend
 from ..runtime import VllmUnavailableError
-from ..worker import build_worker, resolve_worker
+from ..worker import WorkerSteps, build_worker, resolve_worker
 from . import stubs as stub_modules
 from .stubs import DistributionAlias, Stub
 
@@ -45,6 +45,10 @@ class PluginProfile(VllmBackend):
     stubs: ClassVar[tuple[Stub, ...]] = ()
     #: distribution names the plugin checks that are installed under another name
     aliases: ClassVar[tuple[DistributionAlias, ...]] = ()
+    #: how the worker's ``init_device`` and ``load_model`` run (:class:`~..worker.WorkerSteps`);
+    #: None: the worker's own (a step it keeps of vLLM's GPU worker is not run: it needs CUDA).
+    #: A worker whose steps need its device or the weights names the hooks that replace them.
+    steps: ClassVar[WorkerSteps | None] = None
     declines: ClassVar[Declines] = VllmBackend.declines | Declines({
         ("allocation", SPECULATIVE): "a drafter's attention layers are registered by its load_model, which "
         "needs the draft weights: the worker's initialize_from_config cannot set up its drafter here",
@@ -94,12 +98,17 @@ class PluginProfile(VllmBackend):
 
     def init_device(self, worker: Any) -> None:
         """What the worker's ``init_device`` makes besides the device and the process group
-        (the harness has its own): typically its model runner, on the CPU."""
+        (the harness has its own): typically its model runner, on the CPU. Run in place of the
+        worker's own where :attr:`steps` says ``hook``."""
+
+    def worker_steps(self) -> WorkerSteps:
+        return self.steps or super().worker_steps()
 
     def make_worker(self, config: Any, distributed_init_method: str) -> Any:
         return build_worker(
-            resolve_worker(self._worker_arg), config, distributed_init_method, self.init_device
-        )
+            resolve_worker(self._worker_arg), config, distributed_init_method, self.worker_steps(),
+            self.init_device,
+        )  # fmt: skip
 
 
-__all__ = ["DistributionAlias", "PluginProfile", "Stub"]
+__all__ = ["DistributionAlias", "PluginProfile", "Stub", "WorkerSteps"]

@@ -55,7 +55,7 @@ from typing import Any, ClassVar
 
 from ....requirements import HYBRID, Declines, InputKind
 from ..runtime import UnsupportedByVllmError, vllm_runtime
-from .profile import PluginProfile, Stub
+from .profile import PluginProfile, Stub, WorkerSteps
 
 #: tpu-inference's model runner, which TPUWorker.init_device builds
 RUNNER = "tpu_inference.runner.tpu_runner:TPUModelRunner"
@@ -262,6 +262,7 @@ class TpuInferenceBackend(PluginProfile):
     install_hint: ClassVar[str] = "bash scripts/install-tpu-inference.sh (tpu-inference 0.32.0 in .venv-tpu)"
     platform: ClassVar[type | str | None] = "tpu_inference.platforms.tpu_platform:TpuPlatform"
     worker: ClassVar[type | str | None] = "tpu_inference.worker.tpu_worker:TPUWorker"
+    steps: ClassVar[WorkerSteps] = WorkerSteps("hook", "vllm_layers")  # its own need the device, the weights
     environment: ClassVar[dict[str, str]] = ENVIRONMENT
     stubs: ClassVar[tuple[Stub, ...]] = (GMM_V2,)
     #: TPUWorker.initialize_from_config allocates the pool (JAX arrays on the CPU mesh), except where

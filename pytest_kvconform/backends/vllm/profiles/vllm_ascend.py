@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from typing import Any, ClassVar
 
 from ....requirements import HYBRID, Declines, InputKind
-from .profile import PluginProfile, Stub
+from .profile import PluginProfile, Stub, WorkerSteps
 
 #: transformers' Qwen2-VL processors, which import torchvision (removed from .venv, as vLLM's CPU
 #: install wants); vLLM's Qwen-VL models import them, and vllm-ascend's worker patches import those
@@ -49,6 +49,7 @@ class VllmAscendBackend(PluginProfile):
     )
     platform: ClassVar[type | str | None] = "vllm_ascend.platform:NPUPlatform"
     worker: ClassVar[type | str | None] = "vllm_ascend.worker.worker:NPUWorker"
+    steps: ClassVar[WorkerSteps] = WorkerSteps("hook", "vllm_layers")  # its own need the device, the weights
     engine_device: ClassVar[str] = "npu"
     stubs: ClassVar[tuple[Stub, ...]] = (
         Stub("torch_npu", "Ascend's torch backend (torch-npu, a CANN extension), imported at module level by "

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from ....requirements import STATE, Declines, InputKind
-from .profile import DistributionAlias, PluginProfile, Stub
+from .profile import DistributionAlias, PluginProfile, Stub, WorkerSteps
 
 
 def _two_head_dims(s: Any) -> bool:
@@ -44,6 +44,7 @@ class VllmRblnBackend(PluginProfile):
     install_hint: ClassVar[str] = "bash scripts/install-vllm-rbln.sh (vllm-rbln 0.12.0 in .venv-rbln)"
     platform: ClassVar[type | str | None] = "vllm_rbln.platform:RblnPlatform"
     worker: ClassVar[type | str | None] = "vllm_rbln.v1.worker.rbln_worker:RBLNWorker"
+    steps: ClassVar[WorkerSteps] = WorkerSteps("hook", "vllm_layers")  # its own need the NPU, the weights
     environment: ClassVar[dict[str, str]] = {
         "VLLM_RBLN_USE_VLLM_MODEL": "1",  # vLLM's layers (the optimum path sizes in RBLN's compiler)
         "VLLM_RBLN_USE_DEVICE_TENSOR": "0",  # CPU tensors, the KV cache on meta: the NPU-less path
@@ -84,8 +85,7 @@ class VllmRblnBackend(PluginProfile):
         RblnPlatform.pre_register_and_update()
 
     def init_device(self, worker: Any) -> None:
-        """``RBLNWorker.init_device`` less the process group: the runner and its KV sizer. One worker
-        in this process (as under UniProcExecutor): an error is raised, the process not exited."""
+        """``RBLNWorker.init_device`` less the process group: the runner, its KV sizer; fail_fast off."""
         from vllm_rbln.v1.worker.dynamic_kv_sizer import DynamicKvSizer
         from vllm_rbln.v1.worker.rbln_model_runner import RBLNModelRunner
 
