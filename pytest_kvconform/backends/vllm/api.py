@@ -184,15 +184,26 @@ def group_bytes_per_block(config: Any, group: Any) -> int:
     return int(fn([group], config.cache_config.get_resolved_kv_cache_layout()))
 
 
-def resolve_layout(config: Any, vllm_specs: Any) -> None:
-    """``resolve_kv_cache_layout`` (vllm/v1/attention/backends/utils.py, 0.29+) with the default
-    layout preference (no backend declares one); releases before 0.29 have no KV cache layout."""
+def resolve_layout(config: Any, vllm_specs: Any, worker: Any = None) -> None:
+    """``resolve_kv_cache_layout`` (vllm/v1/attention/backends/utils.py, 0.29+) as
+    ``EngineCore._initialize_kv_caches`` runs it: over the layouts the worker's attention backends
+    support (``worker.get_supported_kv_cache_layouts()``), then ``worker.set_kv_cache_layout``;
+    without a worker (specs given, no model), the default preference. A layout already resolved
+    on ``config`` stands. Releases before 0.29 have no KV cache layout."""
     from vllm.v1.attention.backends import utils
 
-    if not hasattr(utils, "resolve_kv_cache_layout"):
+    if not hasattr(utils, "resolve_kv_cache_layout") or config.cache_config.kv_cache_layout is not None:
         return
-    names = [layout.name for layout in utils.get_supported_kv_cache_layouts([])]
-    utils.resolve_kv_cache_layout(config, [names], list(vllm_specs.values()))
+    if worker is not None and hasattr(worker, "get_supported_kv_cache_layouts"):
+        names = list(worker.get_supported_kv_cache_layouts())
+    else:
+        names = [layout.name for layout in utils.get_supported_kv_cache_layouts([])]
+    layout = utils.resolve_kv_cache_layout(config, [names], list(vllm_specs.values()))
+    if worker is not None and hasattr(worker, "set_kv_cache_layout"):
+        # 0.33 hands the workers the context-parallel interleave size with it
+        takes_interleave = len(inspect.signature(worker.set_kv_cache_layout).parameters) == 2
+        interleave = (config.parallel_config.cp_kv_cache_interleave_size,) if takes_interleave else ()
+        worker.set_kv_cache_layout(layout.name, *interleave)
 
 
 def cache_role(vllm_spec: Any, layer: Any = None) -> str:

@@ -25,7 +25,7 @@ from typing import Any
 from ...model import BlockChoice
 from ...provenance import Participation, participation
 from ...scenario import Scenario
-from .api import mla_prefill_missing, non_ssm_backends
+from .api import mla_prefill_missing, non_ssm_backends, resolve_layout
 from .offline import vllm_config
 from .platform import HookChange, config_snapshot, config_without_model, diff, is_neutral
 from .runtime import LOCK, UnsupportedByVllmError, vllm_runtime
@@ -214,6 +214,9 @@ def build_engine_specs(scenario: Scenario, platform: type, hooks: Any) -> Engine
         config.validate_block_size()
         with participation(plugin) as specs_credit:
             specs = worker.get_kv_cache_spec()
+        # EngineCore._initialize_kv_caches resolves the layout from what the workers' backends
+        # support (get_supported_kv_cache_layouts) before it plans the pool (0.29+)
+        resolve_layout(config, specs, worker)
 
     def fresh_worker() -> Any:
         with (
