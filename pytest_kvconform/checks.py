@@ -171,6 +171,26 @@ def kv_cache_groups(backend: Any, reference: Any, scenario: Scenario) -> None:
     assert_same("grouping", backend, scenario, {"groups": expected}, {"groups": got})
 
 
+#: the pool the tensor placement is compared at: a few blocks, as the allocation family asks
+PLACEMENT_BLOCKS = 3
+
+
+def kv_cache_tensors(backend: Any, reference: Any, scenario: Scenario) -> None:
+    """Each ``KVCacheTensor`` of a pool of a few blocks: its layers, where they begin and how far
+    apart their blocks and layers are (vLLM 0.32+, ``kv_cache_tensor_placement``)."""
+    if not reference.release.has("kv_cache_tensor_placement"):
+        raise NotApplicable(f"the reference places KV cache tensors from vLLM 0.32, not {reference.release}")
+    if scenario.runtime.pipeline_parallel_size > 1:
+        raise NotApplicable("each pipeline stage's worker places its own layers")
+    specs = reference_specs(reference, scenario)
+    reference_groups_or_skip(reference, specs, scenario)
+    expected = reference.kv_cache_tensors(specs, PLACEMENT_BLOCKS, scenario=scenario)
+    got = call_rule(backend, "kv_cache_tensors", specs, PLACEMENT_BLOCKS, scenario=scenario)
+    assert_same(
+        "grouping", backend, scenario, {"kv_cache_tensors": list(expected)}, {"kv_cache_tensors": list(got)}
+    )
+
+
 def memory_view(check: MemoryCheck) -> dict[str, Any]:
     """A :class:`MemoryCheck` as compared: vLLM's texts by their kind and numbers (:func:`message_view`)."""
     view = {name: getattr(check, name) for name in MemoryCheck.__dataclass_fields__}
@@ -330,6 +350,7 @@ CHECKS: tuple[Check, ...] = (
     Check("max_memory", "test_max_memory_usage_bytes", max_memory_usage_bytes),
     Check("unification", "test_unify_page_sizes", unify_page_sizes),
     Check("grouping", "test_kv_cache_groups", kv_cache_groups),
+    Check("grouping", "test_kv_cache_tensors", kv_cache_tensors),
     Check("memory", "test_available_memory", available_memory),
     Check("memory", "test_check_memory", check_memory),
     Check("memory", "test_estimate_max_model_len", estimate_max_model_len, FRACTIONS),

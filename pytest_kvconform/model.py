@@ -67,6 +67,21 @@ class KVCacheGroup:
 
 
 @dataclass(frozen=True)
+class KVCacheTensorPlacement:
+    """One ``KVCacheTensor`` of the pool (vLLM 0.32+): its layers, the bytes of the backing
+    allocation, and where layer ``l``'s block ``b`` begins in it (``offset + l * layer_stride +
+    b * block_stride``); ``page_shape`` is one layer's page as its views see it: heads, states
+    (tokens) and bytes per cell (``num_heads``, ``num_states``, ``state_content_size_bytes``)."""
+
+    layers: tuple[str, ...]
+    size: int
+    offset: int
+    layer_stride: int
+    block_stride: int
+    page_shape: tuple[int, int, int]
+
+
+@dataclass(frozen=True)
 class MemoryCheck:
     """``get_kv_cache_configs`` + ``_check_enough_kv_cache_memory`` for one worker."""
 

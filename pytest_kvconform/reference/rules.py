@@ -20,14 +20,23 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import ClassVar, TypeVar
 
-from ..model import BlockChoice, HybridAlignment, KVCacheGroup, KVPlan, MemoryCheck, PoolAllocation
+from ..model import (
+    BlockChoice,
+    HybridAlignment,
+    KVCacheGroup,
+    KVCacheTensorPlacement,
+    KVPlan,
+    MemoryCheck,
+    PoolAllocation,
+)
 from ..rejections import Rejected
 from ..scenario import Scenario
 from . import defaults, dtypes, hybrid, memory, metal, selection
-from .grouping import get_kv_cache_groups, unify_hybrid_kv_cache_specs
+from .grouping import GroupSpec, get_kv_cache_groups, unify_hybrid_kv_cache_specs
 from .layers import layer_specs
 from .mamba import Shapes, state_shapes
 from .parallel import pipeline_stages
+from .placement import kv_cache_tensors
 from .plan import PlanTrace, compose_plan
 from .releases import LATEST, RuleSet
 from .specs import AttentionSpec, KVCacheSpec, MambaSpec, cdiv
@@ -178,20 +187,28 @@ class ReferenceRules:
             _last(self, "groups", (specs, scenario, self.release), lambda: self._groups(specs, scenario))
         )
 
-    def _groups(self, specs: dict[str, KVCacheSpec], scenario: Scenario) -> list[KVCacheGroup]:
+    def _group_specs(self, specs: dict[str, KVCacheSpec], scenario: Scenario) -> list[GroupSpec]:
         # get_kv_cache_configs tags sliding-window specs with the speculative retained tokens first
         tagged = with_retained_tokens(specs, scenario, self.release)
         if scenario.runtime.disable_hybrid_kv_cache_manager:  # get_kv_cache_groups does this first
             tagged = unify_hybrid_kv_cache_specs(tagged, self.release)
-        groups = get_kv_cache_groups(
+        return get_kv_cache_groups(
             tagged, unify=lambda s: self.unify_page_sizes(s, scenario=scenario),
             fallback=self.release.has("full_allocation_fallback"),
         )  # fmt: skip
 
+    def _groups(self, specs: dict[str, KVCacheSpec], scenario: Scenario) -> list[KVCacheGroup]:
         def pages(spec: KVCacheSpec) -> int:
             return cdiv(self.max_memory_usage_bytes(spec, scenario=scenario), spec.page_size_bytes)
 
-        return [g.public(scenario.runtime, pages) for g in groups]
+        return [g.public(scenario.runtime, pages) for g in self._group_specs(specs, scenario)]
+
+    def kv_cache_tensors(
+        self, specs: dict[str, KVCacheSpec], num_blocks: int, scenario: Scenario
+    ) -> tuple[KVCacheTensorPlacement, ...]:
+        """``get_kv_cache_configs``' ``kv_cache_tensors`` for a pool of ``num_blocks`` blocks
+        (:mod:`.placement`; vLLM 0.32+, ``kv_cache_tensor_placement``)."""
+        return kv_cache_tensors(self._group_specs(specs, scenario), num_blocks)
 
     # -- memory
     def determine_available_memory(self, device_free_bytes: int | None = None, *, scenario: Scenario) -> int:

@@ -22,7 +22,15 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar, TypeVar
 
-from ...model import BlockChoice, HybridAlignment, KVCacheGroup, KVPlan, MemoryCheck, PoolAllocation
+from ...model import (
+    BlockChoice,
+    HybridAlignment,
+    KVCacheGroup,
+    KVCacheTensorPlacement,
+    KVPlan,
+    MemoryCheck,
+    PoolAllocation,
+)
 from ...provenance import PluginCode, credit
 from ...reference.mamba import Shapes
 from ...reference.releases import rule_set
@@ -608,6 +616,18 @@ class VllmBackend(ReferenceBackend):
         self.policy_for(scenario)
         with self._scope(scenario):
             return planning.kv_cache_groups(*self._inputs(specs, scenario))
+
+    def kv_cache_tensors(
+        self, specs: dict[str, KVCacheSpec], num_blocks: int, scenario: Scenario
+    ) -> tuple[KVCacheTensorPlacement, ...]:
+        """``get_kv_cache_configs``' ``kv_cache_tensors`` for a pool of ``num_blocks`` of its own
+        blocks (vLLM 0.29+)."""
+        bytes_per_block = self.check_memory(specs, scenario).bytes_per_block
+        with self._scope(scenario):
+            config, vllm_specs = self._inputs(specs, scenario)
+            with _current_config(config):
+                kv_config = planning.kv_cache_config(config, vllm_specs, num_blocks * bytes_per_block)
+            return planning.tensor_placements(kv_config)
 
     # -- memory
     def check_memory(self, specs: dict[str, KVCacheSpec], scenario: Scenario) -> MemoryCheck:

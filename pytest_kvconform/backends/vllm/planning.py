@@ -22,7 +22,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...model import KVCacheGroup, MemoryCheck
+from ...model import KVCacheGroup, KVCacheTensorPlacement, MemoryCheck
 from ...reference.specs import KVCacheSpec
 from ...rejections import rejection_kind
 from ...scenario import RuntimeSettings
@@ -276,3 +276,24 @@ def kv_cache_config(config: Any, vllm_specs: Mapping[str, Any], available_memory
             return vllm_runtime().planning.kv_cache_config(config, vllm_specs, available_memory)
     finally:
         config.model_config.max_model_len = derived
+
+
+def tensor_placements(kv_config: Any) -> tuple[KVCacheTensorPlacement, ...]:
+    """A ``KVCacheConfig``'s ``kv_cache_tensors`` (0.29+: ``KVCacheTensor(size, layers,
+    layer_stride, block_stride, offset)``), each with its first layer's page as the views see it
+    (the spec's ``num_heads``, ``num_states``, ``state_content_size_bytes``)."""
+    specs = {}
+    for group in kv_config.kv_cache_groups:
+        for name in group.layer_names:
+            spec = group.kv_cache_spec
+            specs[name] = spec.kv_cache_specs[name] if spec_kind(spec) == "uniform_type" else spec
+    placements = []
+    for t in kv_config.kv_cache_tensors:
+        if not hasattr(t, "layer_stride"):
+            raise NotImplementedError("KVCacheTensor(size, shared_by) (vLLM before 0.29) places no layer")
+        spec = specs[t.layers[0]]
+        shape = (int(spec.num_heads), int(spec.num_states), int(spec.state_content_size_bytes))
+        placements.append(KVCacheTensorPlacement(
+            tuple(t.layers), int(t.size), int(t.offset), int(t.layer_stride), int(t.block_stride), shape,
+        ))  # fmt: skip
+    return tuple(placements)

@@ -1,0 +1,93 @@
+"""Where each layer's pages sit in the pool (vLLM 0.32+, ``kv_cache_tensor_placement``): the
+reference against numbers derived by hand (docs/scenario-derivations.md, section 23), and a
+backend that places every tensor of a group at byte 0 fails ``test_kv_cache_tensors``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pytest_kvconform.backends.base import ReferenceBackend
+from pytest_kvconform.model import KVCacheTensorPlacement
+from pytest_kvconform.reference.releases import rule_set
+from pytest_kvconform.scenario import load_scenario
+
+RULES = str(Path(__file__).resolve().parents[1] / "pytest_kvconform" / "suites" / "test_kvconform_rules.py")
+
+
+def _tensors(name: str) -> list[KVCacheTensorPlacement]:
+    reference, scenario = ReferenceBackend(), load_scenario(name)
+    return list(reference.kv_cache_tensors(reference.layer_specs(scenario=scenario), 3, scenario=scenario))
+
+
+def _layout(t: KVCacheTensorPlacement) -> tuple[int, int, int, int, int, tuple[int, int, int]]:
+    return len(t.layers), t.size, t.offset, t.block_stride, t.layer_stride, t.page_shape
+
+
+def test_one_group_is_one_tensor() -> None:
+    assert [_layout(t) for t in _tensors("h2o-danube3-500m")] == [
+        (16, 2_359_296, 0, 49_152, 147_456, (8, 16, 384))
+    ]
+
+
+def test_each_group_starts_at_byte_0() -> None:
+    tensors = _tensors("gemma-3-1b-it-rbln-cr03")
+    assert {_layout(t)[1:] for t in tensors} == {(12_582_912, 0, 1_048_576, 3_145_728, (1, 1024, 1024))}
+    assert len(tensors) == 7 and tensors[0].layers[:2] == (
+        "model.layers.0.self_attn",
+        "model.layers.7.self_attn",
+    )
+
+
+def test_a_padded_state_page_is_its_block_stride() -> None:
+    tensors = _tensors("granite-4.0-h-tiny")
+    assert len(tensors) == 10
+    assert {(t.block_stride, t.layer_stride, t.size, t.offset) for t in tensors} == {
+        (819_200, 2_457_600, 9_830_400, 0)
+    }
+    assert {t.page_shape for t in tensors} == {(1, 1, 806_400), (4, 400, 512)}
+
+
+def test_a_groups_tensors_follow_each_other() -> None:
+    assert [_layout(t) for t in _tensors("gemma-4-31b-it-hma-disabled")] == [
+        (50, 43_253_760, 0, 262_144, 786_432, (16, 16, 1024)),
+        (10, 43_253_760, 39_321_600, 131_072, 393_216, (4, 16, 2048)),
+    ]
+
+
+def test_the_placement_is_modelled_from_0_32() -> None:
+    assert rule_set("0.32").has("kv_cache_tensor_placement")
+    assert not rule_set("0.31").has("kv_cache_tensor_placement")
+
+
+BROKEN = """
+import dataclasses
+
+from pytest_kvconform.backends.base import ReferenceBackend
+
+
+class EveryTensorAtZero(ReferenceBackend):
+    '''Places each tensor of a group at byte 0: the layers of a group's second spec overwrite the first's.'''
+
+    name = "every-tensor-at-zero"
+
+    def kv_cache_tensors(self, specs, num_blocks, scenario):
+        tensors = super().kv_cache_tensors(specs, num_blocks, scenario=scenario)
+        return tuple(dataclasses.replace(t, offset=0) for t in tensors)
+"""
+
+
+def test_a_tensor_placed_at_the_wrong_offset_fails(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(broken_placement=BROKEN)
+    pytester.syspathinsert()
+    report = pytester.path / "report.json"
+    pytester.runpytest_subprocess(
+        RULES, "--kvconform-backend=broken_placement:EveryTensorAtZero", "--kvconform-vllm=0.32",
+        "-k", "test_kv_cache_tensors and (gemma-4-31b-it-hma-disabled or h2o-danube3-500m)",
+        f"--kvconform-report={report}", "-p", "no:cacheprovider",
+    )  # fmt: skip
+    verdicts = {r["scenario"]: r["verdict"] for r in json.loads(report.read_text())["results"]}
+    assert verdicts["gemma-4-31b-it-hma-disabled"] == "departed"  # its second tensor moved
+    assert verdicts["h2o-danube3-500m"] == "agreed"  # one tensor per group: already at 0
