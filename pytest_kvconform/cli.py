@@ -215,7 +215,7 @@ def _scenarios(items: Sequence[str], args: argparse.Namespace) -> list[Any]:
         return [_load(n, args) for n in packaged_scenario_names()]
     found = []
     for item in items:
-        files = scenario_files(item) if Path(item).exists() else [Path(item)]
+        files = scenario_files(item)  # a packaged name too: not a folder, so itself
         if not files:
             raise CliError(f"{item}: no *.toml scenario files nor a config.json in this folder")
         found += [_load(str(f), args) for f in files]

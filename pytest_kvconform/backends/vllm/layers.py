@@ -141,6 +141,15 @@ def build_drafter(config: Any) -> None:
         model_cls(vllm_config=config, prefix="")
 
 
+def _hand_model(worker: Any, hooks: Any, steps: WorkerSteps, model: Any) -> None:
+    """The worker's own ``load_model``, or the profile's ``hooks.load_model(worker, model)``
+    (``model``: vLLM's layers on ``meta``, or None where the runner builds its own)."""
+    if steps.load_model == "own":
+        worker.load_model()
+    else:
+        hooks.load_model(worker, model)
+
+
 def _load_model(worker: Any, config: Any, hooks: Any, steps: WorkerSteps) -> Any:
     """The worker's ``load_model`` as ``steps`` say: its own or the profile's hook
     (``hooks.load_model(worker, None)``), its runner building the model it builds (None), or
@@ -149,11 +158,8 @@ def _load_model(worker: Any, config: Any, hooks: Any, steps: WorkerSteps) -> Any
     import torch
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    if steps.load_model == "own":
-        worker.load_model()
-        return None
-    if steps.load_model == "hook":
-        hooks.load_model(worker, None)
+    if steps.load_model != "vllm_layers":
+        _hand_model(worker, hooks, steps, None)
         return None
     try:
         # DefaultModelLoader.load_model builds it under the model's dtype, which the layers'
@@ -161,7 +167,7 @@ def _load_model(worker: Any, config: Any, hooks: Any, steps: WorkerSteps) -> Any
         with set_default_torch_dtype(config.model_config.dtype), torch.device("meta"), hooks.building_model():
             model = _model_class(config)(vllm_config=config, prefix="")
             build_drafter(config)
-        hooks.load_model(worker, model)
+        _hand_model(worker, hooks, steps, model)
     except ImportError as exc:  # only a GPU library a CPU build lacks; anything else crashes
         if (exc.name or "").partition(".")[0] not in GPU_ONLY_MODULES:
             raise
@@ -225,10 +231,7 @@ def build_engine_specs(scenario: Scenario, platform: type, hooks: Any) -> Engine
             parallel_groups(rt.tensor_parallel_size, rt.decode_context_parallel_size),
         ):
             new = make_worker(config, f"file://{_DISTRIBUTED[0]}")
-            if steps.load_model == "own":
-                new.load_model()
-            else:
-                hooks.load_model(new, model)
+            _hand_model(new, hooks, steps, model)
             new.get_kv_cache_spec()
             return new
 
