@@ -25,6 +25,9 @@ from pytest_kvconform.scenario import Scenario, load_scenario
 
 SUITES = Path(__file__).resolve().parents[1] / "pytest_kvconform" / "suites"
 GEMMA2_SKIPPED = Path(__file__).parent / "data" / "gemma-2-9b-turboquant-sliding-skipped.toml"
+CONFIGS = Path(__file__).parent / "data" / "configs"
+#: int4_per_token_head on Gemma 2's full layers, its sliding layers (layer 0 first) skipped
+INT4_SKIPPED = CONFIGS / "gemma-2-9b-int4-per-token-head-sliding-skipped.toml"
 
 
 def planned(scenario: Scenario, release: str) -> tuple[str, object]:
@@ -133,3 +136,80 @@ def test_vllm_refuses_with_its_own_selection_checks() -> None:
     assert (
         ("rejects", rejection_kind(raised.value)) == planned(s, "0.32") == ("rejects", "no_attention_backend")
     )
+
+
+# ----------------------------------------------------------- the backend that prices Phase 3
+
+
+@pytest.mark.parametrize(
+    ("release", "block", "shared", "full_page"),
+    [
+        ("0.27", 64, 135_168, 135_168),  # the spec prices it: 8 x (2 x 128 + 2 x 4) = 2,112 B/token
+        ("0.28", 32, 131_072, 67_584),  # layer 0's FlashAttention: 8 x 2 x 256 x 1 = 4,096 B/token
+        ("0.33", 32, 131_072, 67_584),
+    ],
+)
+def test_a_skipped_first_layer_prices_the_primary_through_flash_attention(
+    release: str, block: int, shared: int, full_page: int
+) -> None:
+    """docs/scenario-derivations.md section 24. Phase 3 prices the primary page through layer 0's
+    backend; layer 0 is a skipped sliding layer (bf16), which CUDA gives FlashAttention: no int4
+    halving, no scales. The block covers the bf16 page at 16 tokens, 8 x 512 x 2 x 16 = 131,072:
+    16 x cdiv(131,072, 16 x 4,096) = 32, where the int4 layers (Triton: 2,112 B/token) take 32 x
+    2,112 = 67,584, padded to 131,072 by unify. Before 0.28 the spec prices it: block 64."""
+    rules = reference_rules(rule_set(release))
+    s = load_scenario(INT4_SKIPPED)
+    choice = rules.choose_block_size(scenario=s)
+    assert (choice.block_size, choice.skip_page_size_padded) == (block, shared)
+    specs = rules.layer_specs(scenario=s)
+    sliding, full = specs["model.layers.0.self_attn"], specs["model.layers.1.self_attn"]
+    assert (sliding.block_size, sliding.page_size_bytes) == (16, shared)
+    assert (full.block_size, full.page_size_bytes) == (block, full_page)
+
+
+TRITON_PRIMARY = '''
+from unittest import mock
+
+from pytest_kvconform.backends.base import ReferenceBackend
+
+
+class Faithful(ReferenceBackend):
+    name = "faithful"
+
+    def choose_block_size(self, scenario):
+        return super().choose_block_size(scenario)
+
+
+class TritonPrimary(ReferenceBackend):
+    """Prices Phase 3's primary page through the quantized layers' backend (Triton), whatever
+    serves the first layer."""
+    name = "triton-primary"
+
+    def choose_block_size(self, scenario):
+        with mock.patch("pytest_kvconform.reference.hybrid._first_attention_is_skip", lambda s: False):
+            return super().choose_block_size(scenario)
+'''
+
+
+def test_a_backend_pricing_the_primary_through_triton_fails(pytester: pytest.Pytester) -> None:
+    """Through the suite: the broken rule (the reference before this rule) departs on the block."""
+    pytester.makepyfile(broken=TRITON_PRIMARY)
+    pytester.syspathinsert()
+    run = [str(SUITES / "test_kvconform_rules.py"), f"--kvconform-scenarios={INT4_SKIPPED}", "-k",
+           "test_choose_block_size and int4", "-p", "no:cacheprovider"]  # fmt: skip
+    assert pytester.runpytest(*run, "--kvconform-backend=broken:Faithful").ret == pytest.ExitCode.OK
+    broken = pytester.runpytest(*run, "--kvconform-backend=broken:TritonPrimary")
+    assert broken.ret == pytest.ExitCode.TESTS_FAILED
+    broken.stdout.fnmatch_lines(["*block_size*32*64*"])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+def test_vllm_gives_a_skipped_layer_flash_attention() -> None:
+    """The neutral platform picks as CUDA does: FlashAttention for a bf16 (skip) layer, Triton for
+    int4_per_token_head; vLLM's own Phase 3 then chooses block 32 and pads to 131,072."""
+    from pytest_kvconform.backends.vllm import VllmBackend
+    from pytest_kvconform.backends.vllm.attention import base_for
+
+    assert (base_for("auto", False), base_for("int4_per_token_head", False)) == ("FLASH_ATTN", "TRITON_ATTN")
+    choice = VllmBackend().choose_block_size(scenario=load_scenario(INT4_SKIPPED))
+    assert (choice.block_size, choice.skip_page_size_padded) == (32, 131_072)

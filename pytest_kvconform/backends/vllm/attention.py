@@ -3,12 +3,13 @@
 A scenario's ``kernel_block_alignment`` is the smallest kernel block of the model's attention
 backend (``get_supported_kernel_block_sizes``; FlashAttention and Triton declare
 ``MultipleOf(16)``). The neutral platform's ``get_attn_backend_cls`` answers with a subclass of
-the vLLM backend that serves the layer (Triton attention, the common MLA backend, TurboQuant for
-``turboquant_*``) whose only change is its kernel block sizes, ``[MultipleOf(alignment)]``
-(``supports_block_size`` accordingly): its ``customize_spec``, impl and name stay vLLM's. A layer
-TurboQuant's backend cannot serve is refused as a GPU platform refuses it (:func:`refuse_unserved`).
-vLLM resolves the answer by qualified name, so the subclasses are attributes of this module, made
-on first use: ``pytest_kvconform.backends.vllm.attention.TRITON_ATTN__16``.
+the vLLM backend that serves the layer (FlashAttention or Triton attention, the common MLA
+backend, TurboQuant for ``turboquant_*``: :func:`base_for`) whose only change is its kernel
+block sizes, ``[MultipleOf(alignment)]`` (``supports_block_size`` accordingly): its
+``customize_spec``, impl and name stay vLLM's. A layer TurboQuant's backend cannot serve is
+refused as a GPU platform refuses it (:func:`refuse_unserved`). vLLM resolves the answer by
+qualified name, so the subclasses are attributes of this module, made on first use:
+``pytest_kvconform.backends.vllm.attention.TRITON_ATTN__16``.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from .runtime import UnsupportedByVllmError
 
 #: base name -> the vLLM backend class it subclasses
 BASES = {
+    "FLASH_ATTN": "vllm.v1.attention.backends.flash_attn:FlashAttentionBackend",
     "TRITON_ATTN": "vllm.v1.attention.backends.triton_attn:TritonAttentionBackend",
     # Triton MLA's impl imports FlashAttention helpers a CPU build lacks; the CPU MLA backend
     # shares MLACommonBackend's customize_spec, and its kernel sizes are replaced below anyway.
@@ -38,8 +40,18 @@ CPU_BUILD_LACKS = {
 }
 
 
+#: The caches FlashAttention serves on every device and release (its fp8 depends on the device:
+#: ``FlashAttentionImpl`` refuses it where the FlashAttention version has none, as on a CPU build).
+UNQUANTIZED = ("auto", "float16", "bfloat16")
+
+
 def base_for(kv_cache_dtype: str | None, use_mla: bool) -> str:
-    """Which of vLLM's backends serves a layer, as the GPU engine's selection would for sizing."""
+    """Which of vLLM's backends serves a layer, as CUDA's selection would for sizing
+    (``_get_backend_priorities``, vllm/platforms/cuda.py: FlashAttention, FlashInfer, Triton,
+    FlexAttention, TurboQuant): FlashAttention for an unquantized cache (a skip layer's too),
+    Triton for the formats only it packs (``*_per_token_head``) and for fp8. The two price every
+    cache the same except the per-token-head scales, which only Triton's ``customize_spec`` adds:
+    what Phase 3 reads when a skip layer comes first."""
     dtype = kv_cache_dtype or "auto"
     if use_mla:
         return "CPU_MLA"
@@ -47,6 +59,8 @@ def base_for(kv_cache_dtype: str | None, use_mla: bool) -> str:
         return "TURBOQUANT"
     if dtype in CPU_BUILD_LACKS:
         raise UnsupportedByVllmError("cpu_build", CPU_BUILD_LACKS[dtype])
+    if dtype in UNQUANTIZED:
+        return "FLASH_ATTN"
     return "TRITON_ATTN"
 
 
