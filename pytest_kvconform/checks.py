@@ -175,20 +175,43 @@ def kv_cache_groups(backend: Any, reference: Any, scenario: Scenario) -> None:
 PLACEMENT_BLOCKS = 3
 
 
+def placement_specs(reference: Any, scenario: Scenario, verb: str) -> dict[str, Any]:
+    """The reference's specs of a scenario whose pool the release ``places`` or ``views`` (vLLM
+    0.32+, ``kv_cache_tensor_placement``); not applicable otherwise."""
+    if not reference.release.has("kv_cache_tensor_placement"):
+        raise NotApplicable(f"the reference {verb} KV cache tensors from vLLM 0.32, not {reference.release}")
+    if scenario.runtime.pipeline_parallel_size > 1:
+        raise NotApplicable(f"each pipeline stage's worker {verb} its own layers")
+    specs = reference_specs(reference, scenario)
+    reference_groups_or_skip(reference, specs, scenario)
+    return specs
+
+
 def kv_cache_tensors(backend: Any, reference: Any, scenario: Scenario) -> None:
     """Each ``KVCacheTensor`` of a pool of a few blocks: its layers, where they begin and how far
     apart their blocks and layers are (vLLM 0.32+, ``kv_cache_tensor_placement``)."""
-    if not reference.release.has("kv_cache_tensor_placement"):
-        raise NotApplicable(f"the reference places KV cache tensors from vLLM 0.32, not {reference.release}")
-    if scenario.runtime.pipeline_parallel_size > 1:
-        raise NotApplicable("each pipeline stage's worker places its own layers")
-    specs = reference_specs(reference, scenario)
-    reference_groups_or_skip(reference, specs, scenario)
+    specs = placement_specs(reference, scenario, "places")
     expected = reference.kv_cache_tensors(specs, PLACEMENT_BLOCKS, scenario=scenario)
     got = call_rule(backend, "kv_cache_tensors", specs, PLACEMENT_BLOCKS, scenario=scenario)
     assert_same(
         "grouping", backend, scenario, {"kv_cache_tensors": list(expected)}, {"kv_cache_tensors": list(got)}
     )
+
+
+def kv_cache_views(backend: Any, reference: Any, scenario: Scenario) -> None:
+    """Each layer's ``[B, H, N, C]`` view of that pool: its dtype, shape, strides and where it
+    begins in the backing allocation (vLLM 0.32+, the runner's ``allocate_kv_cache``)."""
+    specs = placement_specs(reference, scenario, "views")
+    groups = reference.kv_cache_groups(specs, scenario=scenario)
+    kernel_blocks = outcome(reference, "kernel_block_sizes", groups, scenario=scenario)
+    if kernel_blocks[0] != "ok":  # the runner picks them before it allocates
+        raise NotApplicable(
+            f"the engine refuses this scenario's kernel blocks ({kernel_blocks[1]}); test_plan compares that"
+        )
+    expected = reference.kv_cache_views(specs, PLACEMENT_BLOCKS, scenario=scenario)
+    got = call_rule(backend, "kv_cache_views", specs, PLACEMENT_BLOCKS, scenario=scenario)
+    assert_same("grouping", backend, scenario, {"kv_cache_views": {v.layer: v for v in expected}},
+                {"kv_cache_views": {v.layer: v for v in got}})  # fmt: skip
 
 
 def memory_view(check: MemoryCheck) -> dict[str, Any]:
@@ -351,6 +374,7 @@ CHECKS: tuple[Check, ...] = (
     Check("unification", "test_unify_page_sizes", unify_page_sizes),
     Check("grouping", "test_kv_cache_groups", kv_cache_groups),
     Check("grouping", "test_kv_cache_tensors", kv_cache_tensors),
+    Check("grouping", "test_kv_cache_views", kv_cache_views),
     Check("memory", "test_available_memory", available_memory),
     Check("memory", "test_check_memory", check_memory),
     Check("memory", "test_estimate_max_model_len", estimate_max_model_len, FRACTIONS),

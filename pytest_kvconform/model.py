@@ -82,6 +82,20 @@ class KVCacheTensorPlacement:
 
 
 @dataclass(frozen=True)
+class KVCacheView:
+    """One layer's KV cache as its kernel reads it (vLLM 0.32+, ``create_kv_cache_views``): the
+    ``[B, H, N, C]`` view of the backing allocation (blocks, heads, states, cell content) in
+    elements of ``dtype`` (the spec's; bytes, ``int8``, for a state layer, whose spec has none):
+    its shape, strides and storage offset."""
+
+    layer: str
+    dtype: str
+    shape: tuple[int, int, int, int]
+    stride: tuple[int, int, int, int]
+    offset: int
+
+
+@dataclass(frozen=True)
 class MemoryCheck:
     """``get_kv_cache_configs`` + ``_check_enough_kv_cache_memory`` for one worker."""
 

@@ -1,6 +1,7 @@
-"""Where each layer's pages sit in the pool (vLLM 0.32+, ``kv_cache_tensor_placement``): the
-reference against numbers derived by hand (docs/scenario-derivations.md, section 23), and a
-backend that places every tensor of a group at byte 0 fails ``test_kv_cache_tensors``."""
+"""Where each layer's pages sit in the pool and how its kernel views them (vLLM 0.32+,
+``kv_cache_tensor_placement``): the reference against numbers derived by hand
+(docs/scenario-derivations.md, section 23); a backend that places every tensor of a group at
+byte 0 fails ``test_kv_cache_tensors``, one that views pages head-major fails ``test_kv_cache_views``."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pytest_kvconform.backends.base import ReferenceBackend
-from pytest_kvconform.model import KVCacheTensorPlacement
+from pytest_kvconform.model import KVCacheTensorPlacement, KVCacheView
 from pytest_kvconform.reference.releases import rule_set
 from pytest_kvconform.scenario import load_scenario
 
@@ -57,6 +58,40 @@ def test_a_groups_tensors_follow_each_other() -> None:
     ]
 
 
+def _views(name: str) -> dict[str, KVCacheView]:
+    reference, scenario = ReferenceBackend(), load_scenario(name)
+    views = reference.kv_cache_views(reference.layer_specs(scenario=scenario), 3, scenario=scenario)
+    return {v.layer: v for v in views}
+
+
+def test_a_layers_view_is_token_major_in_its_dtype() -> None:
+    """LBNHC: within a page of 8 heads x 16 tokens x 384 B, a head is 384 B (192 bf16) from the
+    next and a token 8 x 384 B; blocks 49,152 B apart, layers 147,456 B."""
+    views = _views("h2o-danube3-500m")
+    assert len(views) == 16
+    assert views["model.layers.1.self_attn"] == KVCacheView(
+        "model.layers.1.self_attn", "bfloat16", (3, 8, 16, 192), (24_576, 192, 1_536, 1), 73_728
+    )
+
+
+def test_a_state_view_is_bytes_and_a_padded_page_its_block_stride() -> None:
+    views = _views("granite-4.0-h-tiny")
+    assert views["model.layers.0.mixer"] == KVCacheView(
+        "model.layers.0.mixer", "int8", (3, 1, 1, 806_400), (819_200, 806_400, 806_400, 1), 0
+    )
+    # the 4 attention layers (5, 15, 25, 35) share one tensor: layer 15 is its second
+    assert views["model.layers.15.self_attn"] == KVCacheView(
+        "model.layers.15.self_attn", "bfloat16", (3, 4, 400, 256), (409_600, 256, 1_024, 1), 1_228_800
+    )
+
+
+def test_a_second_tensors_views_begin_after_the_first() -> None:
+    views = _views("gemma-4-31b-it-hma-disabled")
+    assert views["model.layers.5.self_attn"] == KVCacheView(  # the first full layer
+        "model.layers.5.self_attn", "bfloat16", (3, 4, 16, 1024), (65_536, 1_024, 4_096, 1), 19_660_800
+    )
+
+
 def test_the_placement_is_modelled_from_0_32() -> None:
     assert rule_set("0.32").has("kv_cache_tensor_placement")
     assert not rule_set("0.31").has("kv_cache_tensor_placement")
@@ -76,6 +111,17 @@ class EveryTensorAtZero(ReferenceBackend):
     def kv_cache_tensors(self, specs, num_blocks, scenario):
         tensors = super().kv_cache_tensors(specs, num_blocks, scenario=scenario)
         return tuple(dataclasses.replace(t, offset=0) for t in tensors)
+
+
+class HeadMajor(ReferenceBackend):
+    '''Views every page heads outermost (LBHNC, vLLM's CPU attention), where the engine resolved LBNHC.'''
+
+    name = "head-major"
+
+    def kv_cache_views(self, specs, num_blocks, scenario):
+        from pytest_kvconform.reference.placement import kv_cache_views
+
+        return kv_cache_views(self._group_specs(specs, scenario), num_blocks, layout="LBHNC")
 """
 
 
@@ -91,3 +137,18 @@ def test_a_tensor_placed_at_the_wrong_offset_fails(pytester: pytest.Pytester) ->
     verdicts = {r["scenario"]: r["verdict"] for r in json.loads(report.read_text())["results"]}
     assert verdicts["gemma-4-31b-it-hma-disabled"] == "departed"  # its second tensor moved
     assert verdicts["h2o-danube3-500m"] == "agreed"  # one tensor per group: already at 0
+
+
+def test_a_page_viewed_head_major_fails(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(broken_placement=BROKEN)
+    pytester.syspathinsert()
+    report = pytester.path / "report.json"
+    pytester.runpytest_subprocess(
+        RULES, "--kvconform-backend=broken_placement:HeadMajor", "--kvconform-vllm=0.32",
+        "-k", "test_kv_cache_views and (gemma-3-1b-it-rbln-cr03 or h2o-danube3-500m)",
+        f"--kvconform-report={report}", "-p", "no:cacheprovider",
+    )  # fmt: skip
+    results = {r["scenario"]: r for r in json.loads(report.read_text())["results"]}
+    assert results["h2o-danube3-500m"]["verdict"] == "departed"
+    # one KV head: its H stride differs still (torch keeps a size-1 axis's stride)
+    assert results["gemma-3-1b-it-rbln-cr03"]["verdict"] == "departed"

@@ -27,7 +27,7 @@ RULE_FAMILIES: dict[str, tuple[str, ...]] = {
     "attention_page": ("attention_page_bytes",),
     "max_memory": ("max_memory_usage_bytes",),
     "unification": ("unify_page_sizes",),
-    "grouping": ("kv_cache_groups", "kv_cache_tensors"),
+    "grouping": ("kv_cache_groups", "kv_cache_tensors", "kv_cache_views"),
     "memory": ("determine_available_memory", "check_memory", "estimate_max_model_len"),
     "one_sequence": ("one_sequence_bytes",),
     "kernel_block": ("kernel_block_size", "build_block_tables"),

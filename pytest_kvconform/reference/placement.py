@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..model import KVCacheTensorPlacement
+from ..model import KVCacheTensorPlacement, KVCacheView
+from .dtypes import DTYPE_SIZE
 from .grouping import GroupSpec
 from .specs import AttentionSpec, KVCacheSpec
 
@@ -28,10 +29,10 @@ def page_shape(spec: KVCacheSpec) -> tuple[int, int, int]:
     return (1, 1, spec.real_page_size_bytes)
 
 
-def kv_cache_tensors(groups: Sequence[GroupSpec], num_blocks: int) -> tuple[KVCacheTensorPlacement, ...]:
-    """The tensors of a pool of ``num_blocks`` blocks, in group order."""
+def _placed(groups: Sequence[GroupSpec], num_blocks: int) -> list[tuple[KVCacheSpec, KVCacheTensorPlacement]]:
+    """The tensors of a pool of ``num_blocks`` blocks, in group order, each with its layers' spec."""
     if not groups:
-        return ()
+        return []
     bytes_per_block = max(sum(spec.page_size_bytes for spec in g.specs) for g in groups)
     size = bytes_per_block * num_blocks
     tensors = []
@@ -49,6 +50,46 @@ def kv_cache_tensors(groups: Sequence[GroupSpec], num_blocks: int) -> tuple[KVCa
             placed = KVCacheTensorPlacement(
                 tuple(names), size, offset, layer_stride, block_stride, page_shape(spec)
             )
-            tensors.append(placed)
+            tensors.append((spec, placed))
             offset += len(names) * layer_stride
-    return tuple(tensors)
+    return tensors
+
+
+def kv_cache_tensors(groups: Sequence[GroupSpec], num_blocks: int) -> tuple[KVCacheTensorPlacement, ...]:
+    """The tensors of a pool of ``num_blocks`` blocks, in group order."""
+    return tuple(placed for _, placed in _placed(groups, num_blocks))
+
+
+#: The engine's layout (``resolve_kv_cache_layout``): the default preference's first, which the
+#: GPU backends (FlashAttention, Triton, FlashInfer, the MLA backends) do not restrict.
+LAYOUT = "LBNHC"
+#: a layer-outermost layout -> the physical order of a page's axes, outermost first
+#: (``KVCacheLayout.stride_order`` after L and B, vllm/v1/kv_cache_layout.py)
+PAGE_ORDER = {"LBNHC": "NHC", "LBHNC": "HNC"}
+
+
+def kv_cache_views(
+    groups: Sequence[GroupSpec], num_blocks: int, layout: str = LAYOUT
+) -> tuple[KVCacheView, ...]:
+    """Each layer's ``[B, H, N, C]`` view (``create_kv_cache_views``, vllm/v1/kv_cache_interface.py,
+    0.32+) over the tensors of :func:`kv_cache_tensors`: block ``b`` of layer ``l`` at ``offset +
+    l * layer_stride + b * block_stride`` bytes; within a page the layout orders H, N and C
+    (``compute_layout_strides``: C innermost, 1 byte). An attention layer's view is in its
+    dtype (strides and offset divided by its size); a state layer's stays in bytes. The kernel
+    block is the block (``MultipleOf`` backends split none)."""
+    views = []
+    for spec, t in _placed(groups, num_blocks):
+        heads, states, content = t.page_shape
+        extent = {"H": heads, "N": states, "C": content}
+        strides, step = {}, 1
+        for axis in reversed(PAGE_ORDER[layout]):
+            strides[axis], step = step, step * extent[axis]
+        dtype = spec.dtype if isinstance(spec, AttentionSpec) else "int8"
+        item = DTYPE_SIZE[dtype]
+        shape = (num_blocks, heads, states, content // item)
+        stride = (t.block_stride // item, strides["H"] // item, strides["N"] // item, 1)
+        views += [
+            KVCacheView(name, dtype, shape, stride, (t.offset + i * t.layer_stride) // item)
+            for i, name in enumerate(t.layers)
+        ]
+    return tuple(views)

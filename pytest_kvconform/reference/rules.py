@@ -25,6 +25,7 @@ from ..model import (
     HybridAlignment,
     KVCacheGroup,
     KVCacheTensorPlacement,
+    KVCacheView,
     KVPlan,
     MemoryCheck,
     PoolAllocation,
@@ -36,7 +37,7 @@ from .grouping import GroupSpec, get_kv_cache_groups, unify_hybrid_kv_cache_spec
 from .layers import layer_specs
 from .mamba import Shapes, state_shapes
 from .parallel import pipeline_stages
-from .placement import kv_cache_tensors
+from .placement import kv_cache_tensors, kv_cache_views
 from .plan import PlanTrace, compose_plan
 from .releases import LATEST, RuleSet
 from .specs import AttentionSpec, KVCacheSpec, MambaSpec, cdiv
@@ -209,6 +210,13 @@ class ReferenceRules:
         """``get_kv_cache_configs``' ``kv_cache_tensors`` for a pool of ``num_blocks`` blocks
         (:mod:`.placement`; vLLM 0.32+, ``kv_cache_tensor_placement``)."""
         return kv_cache_tensors(self._group_specs(specs, scenario), num_blocks)
+
+    def kv_cache_views(
+        self, specs: dict[str, KVCacheSpec], num_blocks: int, scenario: Scenario
+    ) -> tuple[KVCacheView, ...]:
+        """Each layer's ``[B, H, N, C]`` view of that pool, as the runner's ``allocate_kv_cache``
+        makes it in the engine's layout (:func:`.placement.kv_cache_views`; vLLM 0.32+)."""
+        return kv_cache_views(self._group_specs(specs, scenario), num_blocks)
 
     # -- memory
     def determine_available_memory(self, device_free_bytes: int | None = None, *, scenario: Scenario) -> int:

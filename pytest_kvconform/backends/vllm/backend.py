@@ -27,6 +27,7 @@ from ...model import (
     HybridAlignment,
     KVCacheGroup,
     KVCacheTensorPlacement,
+    KVCacheView,
     KVPlan,
     MemoryCheck,
     PoolAllocation,
@@ -622,12 +623,34 @@ class VllmBackend(ReferenceBackend):
     ) -> tuple[KVCacheTensorPlacement, ...]:
         """``get_kv_cache_configs``' ``kv_cache_tensors`` for a pool of ``num_blocks`` of its own
         blocks (vLLM 0.29+)."""
+        with self._pool_config(specs, num_blocks, scenario) as (_, kv_config):
+            return planning.tensor_placements(kv_config)
+
+    def kv_cache_views(
+        self, specs: dict[str, KVCacheSpec], num_blocks: int, scenario: Scenario
+    ) -> tuple[KVCacheView, ...]:
+        """The runner's ``allocate_kv_cache`` (vllm/v1/worker/utils.py, 0.32+) of that pool, on the
+        ``meta`` device, in the layout the engine resolved from its workers' backends (the
+        default preference for specs without a model), with the kernel blocks
+        ``prepare_kernel_block_sizes`` picks (:meth:`kernel_block_sizes`)."""
+        groups = self.kv_cache_groups(specs, scenario=scenario)
+        kernel_blocks = self.kernel_block_sizes(groups, scenario=scenario)
+        engine = None if scenario.is_spec_level else self._engine(scenario)
+        with self._pool_config(specs, num_blocks, scenario) as (config, kv_config):
+            layout = (config if engine is None else engine.config).cache_config.get_resolved_kv_cache_layout()
+            return planning.kv_cache_views(kv_config, layout, kernel_blocks)
+
+    @contextlib.contextmanager
+    def _pool_config(
+        self, specs: dict[str, KVCacheSpec], num_blocks: int, scenario: Scenario
+    ) -> Iterator[tuple[Any, Any]]:
+        """vLLM's ``KVCacheConfig`` of a pool of ``num_blocks`` of its own blocks, with its config,
+        inside the backend's scope."""
         bytes_per_block = self.check_memory(specs, scenario).bytes_per_block
         with self._scope(scenario):
             config, vllm_specs = self._inputs(specs, scenario)
             with _current_config(config):
-                kv_config = planning.kv_cache_config(config, vllm_specs, num_blocks * bytes_per_block)
-            return planning.tensor_placements(kv_config)
+                yield config, planning.kv_cache_config(config, vllm_specs, num_blocks * bytes_per_block)
 
     # -- memory
     def check_memory(self, specs: dict[str, KVCacheSpec], scenario: Scenario) -> MemoryCheck:

@@ -22,14 +22,14 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...model import KVCacheGroup, KVCacheTensorPlacement, MemoryCheck
+from ...model import KVCacheGroup, KVCacheTensorPlacement, KVCacheView, MemoryCheck
 from ...reference.specs import KVCacheSpec
 from ...rejections import rejection_kind
 from ...scenario import RuntimeSettings
 from .api import group_bytes_per_block, resolve_layout
 from .config_view import spec_level_config
 from .private import private
-from .runtime import vllm_runtime
+from .runtime import dtype_name, vllm_runtime
 from .specs import from_vllm_spec, spec_kind, to_vllm_spec
 
 
@@ -276,6 +276,19 @@ def kv_cache_config(config: Any, vllm_specs: Mapping[str, Any], available_memory
             return vllm_runtime().planning.kv_cache_config(config, vllm_specs, available_memory)
     finally:
         config.model_config.max_model_len = derived
+
+
+def kv_cache_views(kv_config: Any, layout: Any, kernel_block_sizes: list[int]) -> tuple[KVCacheView, ...]:
+    """vLLM's ``allocate_kv_cache`` (vllm/v1/worker/utils.py, 0.32+) of ``kv_config`` on the
+    ``meta`` device: each layer's view, as the runner binds it before any kernel-block remapping."""
+    import torch
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    views = allocate_kv_cache(kv_config, torch.device("meta"), layout, kernel_block_sizes)
+    return tuple(
+        KVCacheView(name, dtype_name(v.dtype), tuple(v.shape), tuple(v.stride()), int(v.storage_offset()))
+        for name, v in views.items()
+    )
 
 
 def tensor_placements(kv_config: Any) -> tuple[KVCacheTensorPlacement, ...]:
