@@ -177,9 +177,9 @@ PLACEMENT_BLOCKS = 3
 
 def placement_specs(reference: Any, scenario: Scenario, verb: str) -> dict[str, Any]:
     """The reference's specs of a scenario whose pool the release ``places`` or ``views`` (vLLM
-    0.32+, ``kv_cache_tensor_placement``); not applicable otherwise."""
+    0.29+, ``kv_cache_tensor_placement``); not applicable otherwise."""
     if not reference.release.has("kv_cache_tensor_placement"):
-        raise NotApplicable(f"the reference {verb} KV cache tensors from vLLM 0.32, not {reference.release}")
+        raise NotApplicable(f"the reference {verb} KV cache tensors from vLLM 0.29, not {reference.release}")
     if scenario.runtime.pipeline_parallel_size > 1:
         raise NotApplicable(f"each pipeline stage's worker {verb} its own layers")
     specs = reference_specs(reference, scenario)
@@ -189,7 +189,7 @@ def placement_specs(reference: Any, scenario: Scenario, verb: str) -> dict[str, 
 
 def kv_cache_tensors(backend: Any, reference: Any, scenario: Scenario) -> None:
     """Each ``KVCacheTensor`` of a pool of a few blocks: its layers, where they begin and how far
-    apart their blocks and layers are (vLLM 0.32+, ``kv_cache_tensor_placement``)."""
+    apart their blocks and layers are (vLLM 0.29+, ``kv_cache_tensor_placement``)."""
     specs = placement_specs(reference, scenario, "places")
     expected = reference.kv_cache_tensors(specs, PLACEMENT_BLOCKS, scenario=scenario)
     got = call_rule(backend, "kv_cache_tensors", specs, PLACEMENT_BLOCKS, scenario=scenario)
@@ -200,7 +200,7 @@ def kv_cache_tensors(backend: Any, reference: Any, scenario: Scenario) -> None:
 
 def kv_cache_views(backend: Any, reference: Any, scenario: Scenario) -> None:
     """Each layer's ``[B, H, N, C]`` view of that pool: its dtype, shape, strides and where it
-    begins in the backing allocation (vLLM 0.32+, the runner's ``allocate_kv_cache``)."""
+    begins in the backing allocation (vLLM 0.29+, the runner's ``allocate_kv_cache``)."""
     specs = placement_specs(reference, scenario, "views")
     groups = reference.kv_cache_groups(specs, scenario=scenario)
     kernel_blocks = outcome(reference, "kernel_block_sizes", groups, scenario=scenario)

@@ -68,7 +68,7 @@ class KVCacheGroup:
 
 @dataclass(frozen=True)
 class KVCacheTensorPlacement:
-    """One ``KVCacheTensor`` of the pool (vLLM 0.32+): its layers, the bytes of the backing
+    """One ``KVCacheTensor`` of the pool (vLLM 0.29+): its layers, the bytes of the backing
     allocation, and where layer ``l``'s block ``b`` begins in it (``offset + l * layer_stride +
     b * block_stride``); ``page_shape`` is one layer's page as its views see it: heads, states
     (tokens) and bytes per cell (``num_heads``, ``num_states``, ``state_content_size_bytes``)."""
@@ -83,7 +83,7 @@ class KVCacheTensorPlacement:
 
 @dataclass(frozen=True)
 class KVCacheView:
-    """One layer's KV cache as its kernel reads it (vLLM 0.32+, ``create_kv_cache_views``): the
+    """One layer's KV cache as its kernel reads it (vLLM 0.29+, ``create_kv_cache_views``): the
     ``[B, H, N, C]`` view of the backing allocation (blocks, heads, states, cell content) in
     elements of ``dtype`` (the spec's; bytes, ``int8``, for a state layer, whose spec has none):
     its shape, strides and storage offset."""

@@ -1,4 +1,4 @@
-"""Where each layer's pages sit in the pool and how its kernel views them (vLLM 0.32+,
+"""Where each layer's pages sit in the pool and how its kernel views them (vLLM 0.29+,
 ``kv_cache_tensor_placement``): the reference against numbers derived by hand
 (docs/scenario-derivations.md, section 23); a backend that places every tensor of a group at
 byte 0 fails ``test_kv_cache_tensors``, one that views pages head-major fails ``test_kv_cache_views``."""
@@ -92,9 +92,10 @@ def test_a_second_tensors_views_begin_after_the_first() -> None:
     )
 
 
-def test_the_placement_is_modelled_from_0_32() -> None:
-    assert rule_set("0.32").has("kv_cache_tensor_placement")
-    assert not rule_set("0.31").has("kv_cache_tensor_placement")
+def test_the_placement_is_modelled_from_0_29() -> None:
+    """0.29 gave ``KVCacheTensor`` its layers and strides and the engine its layout."""
+    assert rule_set("0.29").has("kv_cache_tensor_placement")
+    assert not rule_set("0.28").has("kv_cache_tensor_placement")
 
 
 BROKEN = """

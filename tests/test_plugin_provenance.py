@@ -24,13 +24,19 @@ TOY = Path(__file__).parent / "toy_plugin"
 RULES = str(Path(__file__).resolve().parents[1] / "pytest_kvconform" / "suites" / "test_kvconform_rules.py")
 
 
-def _verdicts(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, *options: str) -> dict[str, Any]:
+def _verdicts(
+    pytester: pytest.Pytester,
+    monkeypatch: pytest.MonkeyPatch,
+    *options: str,
+    tests: str = "test_layer_specs or test_kv_cache_groups",
+    platform: str = "kvtoy.platform:ToyPlatform",
+) -> dict[str, Any]:
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TOY), os.environ.get("PYTHONPATH")])))
     monkeypatch.setenv("VLLM_CACHE_ROOT", os.environ.get("VLLM_CACHE_ROOT", str(Path.cwd() / ".vllm-cache")))
     report = pytester.path / "report.json"
     pytester.runpytest_subprocess(
-        RULES, "--kvconform-backend=vllm", "--kvconform-backend-option=platform=kvtoy.platform:ToyPlatform",
-        *options, "-k", "(test_layer_specs or test_kv_cache_groups) and llama-3.1-8b-instruct-fp8]",
+        RULES, "--kvconform-backend=vllm", f"--kvconform-backend-option=platform={platform}",
+        *options, "-k", f"({tests}) and llama-3.1-8b-instruct-fp8]",
         f"--kvconform-report={report}", "-p", "no:cacheprovider",
     )  # fmt: skip
     doc = json.loads(report.read_text())
@@ -56,3 +62,15 @@ def test_the_plugins_own_worker_is_credited(
     assert got["test_layer_specs"]["verdict"] == "agreed", got["test_layer_specs"]
     assert got["test_layer_specs"]["answers"]["own"] >= 1
     assert got["test_kv_cache_groups"]["verdict"] == "core"
+
+
+def test_a_once_per_process_hook_credits_no_rule(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's planner runs the platform's ``register_custom_kv_cache_specs`` once per process, in
+    the first plan asked. The harness runs it while preparing the scenario, so the plan it asks
+    next is vLLM core's whichever test comes first (before: the first one counted as the
+    plugin's, agreed, and the same test run after another was core)."""
+    platform = "kvtoy.registering:RegisteringPlatform"
+    got = _verdicts(pytester, monkeypatch, tests="test_kv_cache_tensors", platform=platform)
+    assert got["test_kv_cache_tensors"]["verdict"] == "core", got["test_kv_cache_tensors"]

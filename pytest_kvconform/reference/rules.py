@@ -208,14 +208,14 @@ class ReferenceRules:
         self, specs: dict[str, KVCacheSpec], num_blocks: int, scenario: Scenario
     ) -> tuple[KVCacheTensorPlacement, ...]:
         """``get_kv_cache_configs``' ``kv_cache_tensors`` for a pool of ``num_blocks`` blocks
-        (:mod:`.placement`; vLLM 0.32+, ``kv_cache_tensor_placement``)."""
+        (:mod:`.placement`; vLLM 0.29+, ``kv_cache_tensor_placement``)."""
         return kv_cache_tensors(self._group_specs(specs, scenario), num_blocks)
 
     def kv_cache_views(
         self, specs: dict[str, KVCacheSpec], num_blocks: int, scenario: Scenario
     ) -> tuple[KVCacheView, ...]:
         """Each layer's ``[B, H, N, C]`` view of that pool, as the runner's ``allocate_kv_cache``
-        makes it in the engine's layout (:func:`.placement.kv_cache_views`; vLLM 0.32+)."""
+        makes it in the engine's layout (:func:`.placement.kv_cache_views`; vLLM 0.29+)."""
         return kv_cache_views(self._group_specs(specs, scenario), num_blocks)
 
     # -- memory

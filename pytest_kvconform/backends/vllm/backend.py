@@ -425,12 +425,20 @@ class VllmBackend(ReferenceBackend):
 
     def prepare(self, scenario: Scenario) -> None:
         """Import vLLM and build the scenario's engine (cached) before a rule is asked; a piece
-        that cannot be built offline is reported by the rule call itself."""
+        that cannot be built offline is reported by the rule call itself. The registry of spec
+        types is filled here too, which vLLM's planner does once per process
+        (``KVCacheSpecRegistry._ensure_registered``, calling the platform's
+        ``register_custom_kv_cache_specs``): whichever rule planned first would be credited."""
         vllm_runtime()
         freeze_heap()
-        if not scenario.is_spec_level:
-            with contextlib.suppress(Exception):
-                self._engine(scenario)
+        with contextlib.suppress(Exception):
+            engine_config = None if scenario.is_spec_level else self._engine(scenario).config
+            with self._scope(scenario):
+                config = engine_config or planning.neutral_inputs({}, self._runtime(scenario))[0]
+                with _current_config(config):
+                    from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+
+                    KVCacheSpecRegistry.check_kv_cache_spec_registry({})
 
     def worker_steps(self) -> WorkerSteps:
         """How this backend's worker runs ``init_device`` and ``load_model`` (:class:`.worker.WorkerSteps`):
@@ -629,7 +637,7 @@ class VllmBackend(ReferenceBackend):
     def kv_cache_views(
         self, specs: dict[str, KVCacheSpec], num_blocks: int, scenario: Scenario
     ) -> tuple[KVCacheView, ...]:
-        """The runner's ``allocate_kv_cache`` (vllm/v1/worker/utils.py, 0.32+) of that pool, on the
+        """The runner's ``allocate_kv_cache`` (vllm/v1/worker/utils.py, 0.29+) of that pool, on the
         ``meta`` device, in the layout the engine resolved from its workers' backends (the
         default preference for specs without a model), with the kernel blocks
         ``prepare_kernel_block_sizes`` picks (:meth:`kernel_block_sizes`)."""

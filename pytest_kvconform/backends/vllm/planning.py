@@ -279,7 +279,7 @@ def kv_cache_config(config: Any, vllm_specs: Mapping[str, Any], available_memory
 
 
 def kv_cache_views(kv_config: Any, layout: Any, kernel_block_sizes: list[int]) -> tuple[KVCacheView, ...]:
-    """vLLM's ``allocate_kv_cache`` (vllm/v1/worker/utils.py, 0.32+) of ``kv_config`` on the
+    """vLLM's ``allocate_kv_cache`` (vllm/v1/worker/utils.py, 0.29+) of ``kv_config`` on the
     ``meta`` device: each layer's view, as the runner binds it before any kernel-block remapping."""
     import torch
     from vllm.v1.worker.utils import allocate_kv_cache
