@@ -144,9 +144,9 @@ def unify_page_sizes(backend: Any, reference: Any, scenario: Scenario) -> None:
         )
 
 
-def reference_groups_or_skip(reference: Any, specs: dict[str, Any], scenario: Scenario) -> None:
-    """Not applicable when the reference rejects the grouping of ``specs`` (an older release that
-    cannot unify them); ``test_kv_cache_groups`` compares that rejection."""
+def reference_groups_or_skip(reference: Any, specs: dict[str, Any], scenario: Scenario) -> list[Any]:
+    """The reference's groups of ``specs``; not applicable when it rejects them (an older release
+    that cannot unify them; ``test_kv_cache_groups`` compares that rejection) or has none."""
     answer = outcome(reference, "kv_cache_groups", specs, scenario=scenario)
     if answer[0] != "ok":
         raise NotApplicable(
@@ -154,6 +154,7 @@ def reference_groups_or_skip(reference: Any, specs: dict[str, Any], scenario: Sc
         )
     if not answer[1]:
         raise NotApplicable("no KV cache groups (attention-free): the engine sizes no pool")
+    return answer[1]
 
 
 def kv_cache_groups(backend: Any, reference: Any, scenario: Scenario) -> None:
@@ -175,22 +176,21 @@ def kv_cache_groups(backend: Any, reference: Any, scenario: Scenario) -> None:
 PLACEMENT_BLOCKS = 3
 
 
-def placement_specs(reference: Any, scenario: Scenario, verb: str) -> dict[str, Any]:
-    """The reference's specs of a scenario whose pool the release ``places`` or ``views`` (vLLM
-    0.29+, ``kv_cache_tensor_placement``); not applicable otherwise."""
+def placement_specs(reference: Any, scenario: Scenario, verb: str) -> tuple[dict[str, Any], list[Any]]:
+    """The reference's specs and groups of a scenario whose pool the release ``places`` or
+    ``views`` (vLLM 0.29+, ``kv_cache_tensor_placement``); not applicable otherwise."""
     if not reference.release.has("kv_cache_tensor_placement"):
         raise NotApplicable(f"the reference {verb} KV cache tensors from vLLM 0.29, not {reference.release}")
     if scenario.runtime.pipeline_parallel_size > 1:
         raise NotApplicable(f"each pipeline stage's worker {verb} its own layers")
     specs = reference_specs(reference, scenario)
-    reference_groups_or_skip(reference, specs, scenario)
-    return specs
+    return specs, reference_groups_or_skip(reference, specs, scenario)
 
 
 def kv_cache_tensors(backend: Any, reference: Any, scenario: Scenario) -> None:
     """Each ``KVCacheTensor`` of a pool of a few blocks: its layers, where they begin and how far
     apart their blocks and layers are (vLLM 0.29+, ``kv_cache_tensor_placement``)."""
-    specs = placement_specs(reference, scenario, "places")
+    specs, _ = placement_specs(reference, scenario, "places")
     expected = reference.kv_cache_tensors(specs, PLACEMENT_BLOCKS, scenario=scenario)
     got = call_rule(backend, "kv_cache_tensors", specs, PLACEMENT_BLOCKS, scenario=scenario)
     assert_same(
@@ -201,8 +201,7 @@ def kv_cache_tensors(backend: Any, reference: Any, scenario: Scenario) -> None:
 def kv_cache_views(backend: Any, reference: Any, scenario: Scenario) -> None:
     """Each layer's ``[B, H, N, C]`` view of that pool: its dtype, shape, strides and where it
     begins in the backing allocation (vLLM 0.29+, the runner's ``allocate_kv_cache``)."""
-    specs = placement_specs(reference, scenario, "views")
-    groups = reference.kv_cache_groups(specs, scenario=scenario)
+    specs, groups = placement_specs(reference, scenario, "views")
     kernel_blocks = outcome(reference, "kernel_block_sizes", groups, scenario=scenario)
     if kernel_blocks[0] != "ok":  # the runner picks them before it allocates
         raise NotApplicable(

@@ -112,14 +112,25 @@ def test_a_backend_without_selection_fails_the_plan(pytester: pytest.Pytester) -
     assert 'kv_cache_dtype = "auto"' in text
     scenario = pytester.path / "gpt-oss-20b-turboquant.toml"
     scenario.write_text(text.replace('kv_cache_dtype = "auto"', 'kv_cache_dtype = "turboquant_k8v4"'))
-    pytester.makepyfile(broken=BROKEN)
-    pytester.syspathinsert()
-    run = [str(SUITES / "test_kvconform_rules.py"), f"--kvconform-scenarios={scenario}", "-k", "test_plan",
-           "-p", "no:cacheprovider"]  # fmt: skip
-    assert pytester.runpytest(*run, "--kvconform-backend=broken:WithSelection").ret == pytest.ExitCode.OK
-    broken = pytester.runpytest(*run, "--kvconform-backend=broken:NoSelection")
-    assert broken.ret == pytest.ExitCode.TESTS_FAILED
+    broken = _faithful_passes_broken_fails(
+        pytester, BROKEN, scenario, "test_plan", "WithSelection", "NoSelection"
+    )
     broken.stdout.fnmatch_lines(["*rejects: no_attention_backend*"])
+
+
+def _faithful_passes_broken_fails(
+    pytester: pytest.Pytester, source: str, scenario: Path, tests: str, faithful: str, broken: str
+) -> pytest.RunResult:
+    """The rules suite's ``tests`` on ``scenario`` with two backends of ``source``: ``faithful``
+    passes, ``broken`` fails; the broken run, for its report."""
+    pytester.makepyfile(broken=source)
+    pytester.syspathinsert()
+    run = [str(SUITES / "test_kvconform_rules.py"), f"--kvconform-scenarios={scenario}", "-k", tests,
+           "-p", "no:cacheprovider"]  # fmt: skip
+    assert pytester.runpytest(*run, f"--kvconform-backend=broken:{faithful}").ret == pytest.ExitCode.OK
+    result = pytester.runpytest(*run, f"--kvconform-backend=broken:{broken}")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    return result
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
@@ -193,13 +204,9 @@ class TritonPrimary(ReferenceBackend):
 
 def test_a_backend_pricing_the_primary_through_triton_fails(pytester: pytest.Pytester) -> None:
     """Through the suite: the broken rule (the reference before this rule) departs on the block."""
-    pytester.makepyfile(broken=TRITON_PRIMARY)
-    pytester.syspathinsert()
-    run = [str(SUITES / "test_kvconform_rules.py"), f"--kvconform-scenarios={INT4_SKIPPED}", "-k",
-           "test_choose_block_size and int4", "-p", "no:cacheprovider"]  # fmt: skip
-    assert pytester.runpytest(*run, "--kvconform-backend=broken:Faithful").ret == pytest.ExitCode.OK
-    broken = pytester.runpytest(*run, "--kvconform-backend=broken:TritonPrimary")
-    assert broken.ret == pytest.ExitCode.TESTS_FAILED
+    broken = _faithful_passes_broken_fails(
+        pytester, TRITON_PRIMARY, INT4_SKIPPED, "test_choose_block_size and int4", "Faithful", "TritonPrimary"
+    )
     broken.stdout.fnmatch_lines(["*block_size*32*64*"])
 
 

@@ -126,30 +126,32 @@ class HeadMajor(ReferenceBackend):
 """
 
 
-def test_a_tensor_placed_at_the_wrong_offset_fails(pytester: pytest.Pytester) -> None:
+def _verdicts(pytester: pytest.Pytester, backend: str, tests: str) -> dict[str, str]:
+    """Scenario -> verdict of the rules suite's ``tests`` for ``backend`` of :data:`BROKEN`."""
     pytester.makepyfile(broken_placement=BROKEN)
     pytester.syspathinsert()
     report = pytester.path / "report.json"
     pytester.runpytest_subprocess(
-        RULES, "--kvconform-backend=broken_placement:EveryTensorAtZero", "--kvconform-vllm=0.32",
-        "-k", "test_kv_cache_tensors and (gemma-4-31b-it-hma-disabled or h2o-danube3-500m)",
+        RULES, f"--kvconform-backend=broken_placement:{backend}", "--kvconform-vllm=0.32", "-k", tests,
         f"--kvconform-report={report}", "-p", "no:cacheprovider",
     )  # fmt: skip
-    verdicts = {r["scenario"]: r["verdict"] for r in json.loads(report.read_text())["results"]}
+    return {r["scenario"]: r["verdict"] for r in json.loads(report.read_text())["results"]}
+
+
+def test_a_tensor_placed_at_the_wrong_offset_fails(pytester: pytest.Pytester) -> None:
+    verdicts = _verdicts(
+        pytester,
+        "EveryTensorAtZero",
+        "test_kv_cache_tensors and (gemma-4-31b-it-hma-disabled or h2o-danube3-500m)",
+    )
     assert verdicts["gemma-4-31b-it-hma-disabled"] == "departed"  # its second tensor moved
     assert verdicts["h2o-danube3-500m"] == "agreed"  # one tensor per group: already at 0
 
 
 def test_a_page_viewed_head_major_fails(pytester: pytest.Pytester) -> None:
-    pytester.makepyfile(broken_placement=BROKEN)
-    pytester.syspathinsert()
-    report = pytester.path / "report.json"
-    pytester.runpytest_subprocess(
-        RULES, "--kvconform-backend=broken_placement:HeadMajor", "--kvconform-vllm=0.32",
-        "-k", "test_kv_cache_views and (gemma-3-1b-it-rbln-cr03 or h2o-danube3-500m)",
-        f"--kvconform-report={report}", "-p", "no:cacheprovider",
-    )  # fmt: skip
-    results = {r["scenario"]: r for r in json.loads(report.read_text())["results"]}
-    assert results["h2o-danube3-500m"]["verdict"] == "departed"
+    verdicts = _verdicts(
+        pytester, "HeadMajor", "test_kv_cache_views and (gemma-3-1b-it-rbln-cr03 or h2o-danube3-500m)"
+    )
+    assert verdicts["h2o-danube3-500m"] == "departed"
     # one KV head: its H stride differs still (torch keeps a size-1 axis's stride)
-    assert results["gemma-3-1b-it-rbln-cr03"]["verdict"] == "departed"
+    assert verdicts["gemma-3-1b-it-rbln-cr03"] == "departed"
