@@ -177,10 +177,8 @@ PLACEMENT_BLOCKS = 3
 
 
 def placement_specs(reference: Any, scenario: Scenario, verb: str) -> tuple[dict[str, Any], list[Any]]:
-    """The reference's specs and groups of a scenario whose pool the release ``places`` or
-    ``views`` (vLLM 0.29+, ``kv_cache_tensor_placement``); not applicable otherwise."""
-    if not reference.release.has("kv_cache_tensor_placement"):
-        raise NotApplicable(f"the reference {verb} KV cache tensors from vLLM 0.29, not {reference.release}")
+    """The reference's specs and groups of a scenario whose pool one worker ``places`` or ``views``
+    (not applicable with pipeline stages, nor where the reference has no groups)."""
     if scenario.runtime.pipeline_parallel_size > 1:
         raise NotApplicable(f"each pipeline stage's worker {verb} its own layers")
     specs = reference_specs(reference, scenario)
@@ -189,7 +187,8 @@ def placement_specs(reference: Any, scenario: Scenario, verb: str) -> tuple[dict
 
 def kv_cache_tensors(backend: Any, reference: Any, scenario: Scenario) -> None:
     """Each ``KVCacheTensor`` of a pool of a few blocks: its layers, where they begin and how far
-    apart their blocks and layers are (vLLM 0.29+, ``kv_cache_tensor_placement``)."""
+    apart their blocks and layers are (vLLM 0.29+, ``kv_cache_tensor_placement``; before, one
+    tensor per layer slot, shared by the slot's layer of each group)."""
     specs, _ = placement_specs(reference, scenario, "places")
     expected = reference.kv_cache_tensors(specs, PLACEMENT_BLOCKS, scenario=scenario)
     got = call_rule(backend, "kv_cache_tensors", specs, PLACEMENT_BLOCKS, scenario=scenario)
@@ -201,6 +200,8 @@ def kv_cache_tensors(backend: Any, reference: Any, scenario: Scenario) -> None:
 def kv_cache_views(backend: Any, reference: Any, scenario: Scenario) -> None:
     """Each layer's ``[B, H, N, C]`` view of that pool: its dtype, shape, strides and where it
     begins in the backing allocation (vLLM 0.29+, the runner's ``allocate_kv_cache``)."""
+    if not reference.release.has("kv_cache_tensor_placement"):
+        raise NotApplicable(f"the reference views KV cache tensors from vLLM 0.29, not {reference.release}")
     specs, groups = placement_specs(reference, scenario, "views")
     kernel_blocks = outcome(reference, "kernel_block_sizes", groups, scenario=scenario)
     if kernel_blocks[0] != "ok":  # the runner picks them before it allocates
@@ -211,6 +212,16 @@ def kv_cache_views(backend: Any, reference: Any, scenario: Scenario) -> None:
     got = call_rule(backend, "kv_cache_views", specs, PLACEMENT_BLOCKS, scenario=scenario)
     assert_same("grouping", backend, scenario, {"kv_cache_views": {v.layer: v for v in expected}},
                 {"kv_cache_views": {v.layer: v for v in got}})  # fmt: skip
+
+
+def kernel_cache_views(backend: Any, reference: Any, scenario: Scenario) -> None:
+    """Each paged layer's caches as vllm-metal's kernel reads them, for the reference's specs in a
+    pool of a few blocks: dtype, shape (in kernel blocks), strides (vllm-metal's ``sdpa_forward``)."""
+    specs = reference_specs(reference, scenario)
+    expected = outcome(reference, "kernel_cache_views", specs, PLACEMENT_BLOCKS, scenario=scenario)
+    got = outcome(backend, "kernel_cache_views", specs, PLACEMENT_BLOCKS, scenario=scenario)
+    assert_same_outcome("kernel_block", backend, scenario, "kernel_cache_views", expected, got,
+                        lambda views: {"kernel_cache_views": {v.layer: v for v in views}})  # fmt: skip
 
 
 def memory_view(check: MemoryCheck) -> dict[str, Any]:
@@ -374,6 +385,7 @@ CHECKS: tuple[Check, ...] = (
     Check("grouping", "test_kv_cache_groups", kv_cache_groups),
     Check("grouping", "test_kv_cache_tensors", kv_cache_tensors),
     Check("grouping", "test_kv_cache_views", kv_cache_views),
+    Check("kernel_block", "test_kernel_cache_views", kernel_cache_views),
     Check("memory", "test_available_memory", available_memory),
     Check("memory", "test_check_memory", check_memory),
     Check("memory", "test_estimate_max_model_len", estimate_max_model_len, FRACTIONS),

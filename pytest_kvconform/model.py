@@ -68,17 +68,19 @@ class KVCacheGroup:
 
 @dataclass(frozen=True)
 class KVCacheTensorPlacement:
-    """One ``KVCacheTensor`` of the pool (vLLM 0.29+): its layers, the bytes of the backing
-    allocation, and where layer ``l``'s block ``b`` begins in it (``offset + l * layer_stride +
-    b * block_stride``); ``page_shape`` is one layer's page as its views see it: heads, states
-    (tokens) and bytes per cell (``num_heads``, ``num_states``, ``state_content_size_bytes``)."""
+    """One ``KVCacheTensor`` of the pool: its layers, the bytes of the backing allocation, and
+    where layer ``l``'s block ``b`` begins in it (``offset + l * layer_stride + b * block_stride``);
+    ``page_shape`` is one layer's page as its views see it: heads, states (tokens) and bytes per
+    cell (``num_heads``, ``num_states``, ``state_content_size_bytes``; vLLM 0.29+). Before 0.29 a
+    tensor (``KVCacheTensor(size, shared_by)``) is its layers' alone: each at byte 0 (layer stride
+    0), a block a page, and no page shape (None)."""
 
     layers: tuple[str, ...]
     size: int
     offset: int
     layer_stride: int
     block_stride: int
-    page_shape: tuple[int, int, int]
+    page_shape: tuple[int, int, int] | None
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,18 @@ def test_gpt_oss_with_turboquant_is_refused_at_selection_by_every_release(releas
     assert rejection_kind(raised.value) == "no_attention_backend"
 
 
+@pytest.mark.parametrize("release", ["0.23", "0.32", "0.33"])
+def test_an_mla_model_with_turboquant_is_refused_at_selection(release: str) -> None:
+    """GLM-4.7-Flash (MLA) with turboquant_k8v4: no MLA backend lists a turboquant dtype
+    (``supported_kv_cache_dtypes`` of vllm/v1/attention/backends/mla/*.py) and TurboQuant's is not
+    an MLA backend (``is_mla`` False: "MLA not supported"), so layer 2, the first after the
+    boundary skip layers 0 and 1, has no backend."""
+    s = load_scenario("glm-4.7-flash-bf16").with_runtime(kv_cache_dtype="turboquant_k8v4")
+    with pytest.raises(ValueError, match=r"layer 2 .*MLA not supported") as raised:
+        reference_rules(rule_set(release)).plan(scenario=s)
+    assert rejection_kind(raised.value) == "no_attention_backend"
+
+
 @pytest.mark.parametrize(("release", "refused"), [("0.25", False), ("0.26", True), ("0.33", True)])
 def test_a_sliding_layer_is_refused_from_0_26(release: str, refused: bool) -> None:
     """Gemma 3 1B (sliding layers of window 512, no sinks) with turboquant_k8v4: from 0.26 its
@@ -147,6 +159,18 @@ def test_vllm_refuses_with_its_own_selection_checks() -> None:
     assert (
         ("rejects", rejection_kind(raised.value)) == planned(s, "0.32") == ("rejects", "no_attention_backend")
     )
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+def test_vllm_refuses_an_mla_layer_turboquant() -> None:
+    """An MLA layer's turboquant_* cache goes to TurboQuant's backend, the only one listing it,
+    whose own ``validate_configuration`` refuses MLA."""
+    from pytest_kvconform.backends.vllm import VllmBackend
+
+    s = load_scenario("glm-4.7-flash-bf16").with_runtime(kv_cache_dtype="turboquant_k8v4")
+    with pytest.raises(ValueError, match=r"use_mla=True.*MLA not supported") as raised:
+        VllmBackend().choose_block_size(scenario=s)
+    assert rejection_kind(raised.value) == "no_attention_backend"
 
 
 # ----------------------------------------------------------- the backend that prices Phase 3

@@ -109,7 +109,7 @@ OVERRIDES: dict[str, tuple[str, Callable[..., Any], str]] = {
 #: already planned pool and where its tensors sit, a vLLM platform's hook checks and the kernel's
 #: block alignment (the scenario a backend is served at; they have suites of their own).
 NOT_IN_A_PLAN = {"kv_cache_dtype_bytes", "build_block_tables", "allocate_kv_cache", "check_kv_cache_config",
-                 "kv_cache_tensors", "kv_cache_views", "engine", "rerun_hooks",
+                 "kv_cache_tensors", "kv_cache_views", "kernel_cache_views", "engine", "rerun_hooks",
                  "kernel_block_alignment"}  # fmt: skip
 
 

@@ -1,7 +1,8 @@
 """Where each layer's pages sit in the pool and how its kernel views them (vLLM 0.29+,
-``kv_cache_tensor_placement``): the reference against numbers derived by hand
-(docs/scenario-derivations.md, section 23); a backend that places every tensor of a group at
-byte 0 fails ``test_kv_cache_tensors``, one that views pages head-major fails ``test_kv_cache_views``."""
+``kv_cache_tensor_placement``; before, one tensor per layer slot): the reference against numbers
+derived by hand (docs/scenario-derivations.md, section 23); a backend that places every tensor of
+a group at byte 0 fails ``test_kv_cache_tensors``, one that gives each layer a tensor of its own
+before 0.29 fails it too, and one that views pages head-major fails ``test_kv_cache_views``."""
 
 from __future__ import annotations
 
@@ -13,13 +14,14 @@ import pytest
 from pytest_kvconform.backends.base import ReferenceBackend
 from pytest_kvconform.model import KVCacheTensorPlacement, KVCacheView
 from pytest_kvconform.reference.releases import rule_set
+from pytest_kvconform.reference.rules import reference_rules
 from pytest_kvconform.scenario import load_scenario
 
 RULES = str(Path(__file__).resolve().parents[1] / "pytest_kvconform" / "suites" / "test_kvconform_rules.py")
 
 
-def _tensors(name: str) -> list[KVCacheTensorPlacement]:
-    reference, scenario = ReferenceBackend(), load_scenario(name)
+def _tensors(name: str, release: str = "0.33") -> list[KVCacheTensorPlacement]:
+    reference, scenario = reference_rules(rule_set(release)), load_scenario(name)
     return list(reference.kv_cache_tensors(reference.layer_specs(scenario=scenario), 3, scenario=scenario))
 
 
@@ -56,6 +58,28 @@ def test_a_groups_tensors_follow_each_other() -> None:
         (50, 43_253_760, 0, 262_144, 786_432, (16, 16, 1024)),
         (10, 43_253_760, 39_321_600, 131_072, 393_216, (4, 16, 2048)),
     ]
+
+
+def test_before_0_29_a_tensor_is_one_layer_slot_of_every_group() -> None:
+    """0.23 to 0.28: tensor ``i`` is shared by layer ``i`` of each group, 3 pages of 1,048,576 B;
+    the 4 full layers and six sliding groups of 4, 4, 4, 4, 3 and 3 give 4 tensors of 7, 7, 7
+    and 5 layers, each at byte 0."""
+    tensors = _tensors("gemma-3-1b-it-rbln-cr03", "0.28")
+    assert [len(t.layers) for t in tensors] == [7, 7, 7, 5]
+    assert {(t.size, t.offset, t.layer_stride, t.block_stride, t.page_shape) for t in tensors} == {
+        (3_145_728, 0, 0, 1_048_576, None)
+    }
+    assert "model.layers.5.self_attn" in tensors[0].layers  # the first full layer
+    assert "model.layers.23.self_attn" in tensors[3].layers  # the fourth
+
+
+def test_before_0_29_a_uniform_type_group_has_a_tensor_per_layer() -> None:
+    """Gemma-4-31B with HMA disabled at 0.23: 60 tensors, each of its layer's own page, 3 x 262,144
+    (a promoted sliding layer) or 3 x 131,072 (a full one)."""
+    tensors = _tensors("gemma-4-31b-it-hma-disabled", "0.23")
+    assert len(tensors) == 60 and all(len(t.layers) == 1 for t in tensors)
+    sizes = {t.layers[0]: t.size for t in tensors}
+    assert (sizes["model.layers.0.self_attn"], sizes["model.layers.5.self_attn"]) == (786_432, 393_216)
 
 
 def _views(name: str) -> dict[str, KVCacheView]:
@@ -114,6 +138,17 @@ class EveryTensorAtZero(ReferenceBackend):
         return tuple(dataclasses.replace(t, offset=0) for t in tensors)
 
 
+class TensorPerLayer(ReferenceBackend):
+    '''Gives each layer a tensor of its own before 0.29 (a pool per layer, as the Metal pool does),
+    where vLLM shares one per layer slot among the groups.'''
+
+    name = "tensor-per-layer"
+
+    def kv_cache_tensors(self, specs, num_blocks, scenario):
+        tensors = super().kv_cache_tensors(specs, num_blocks, scenario=scenario)
+        return tuple(dataclasses.replace(t, layers=(name,)) for t in tensors for name in t.layers)
+
+
 class HeadMajor(ReferenceBackend):
     '''Views every page heads outermost (LBHNC, vLLM's CPU attention), where the engine resolved LBNHC.'''
 
@@ -126,13 +161,13 @@ class HeadMajor(ReferenceBackend):
 """
 
 
-def _verdicts(pytester: pytest.Pytester, backend: str, tests: str) -> dict[str, str]:
+def _verdicts(pytester: pytest.Pytester, backend: str, tests: str, release: str = "0.32") -> dict[str, str]:
     """Scenario -> verdict of the rules suite's ``tests`` for ``backend`` of :data:`BROKEN`."""
     pytester.makepyfile(broken_placement=BROKEN)
     pytester.syspathinsert()
     report = pytester.path / "report.json"
     pytester.runpytest_subprocess(
-        RULES, f"--kvconform-backend=broken_placement:{backend}", "--kvconform-vllm=0.32", "-k", tests,
+        RULES, f"--kvconform-backend=broken_placement:{backend}", f"--kvconform-vllm={release}", "-k", tests,
         f"--kvconform-report={report}", "-p", "no:cacheprovider",
     )  # fmt: skip
     return {r["scenario"]: r["verdict"] for r in json.loads(report.read_text())["results"]}
@@ -146,6 +181,13 @@ def test_a_tensor_placed_at_the_wrong_offset_fails(pytester: pytest.Pytester) ->
     )
     assert verdicts["gemma-4-31b-it-hma-disabled"] == "departed"  # its second tensor moved
     assert verdicts["h2o-danube3-500m"] == "agreed"  # one tensor per group: already at 0
+
+
+def test_a_tensor_per_layer_before_0_29_fails(pytester: pytest.Pytester) -> None:
+    tests = "test_kv_cache_tensors and (gemma-3-1b-it-rbln-cr03 or h2o-danube3-500m)"
+    verdicts = _verdicts(pytester, "TensorPerLayer", tests, release="0.28")
+    assert verdicts["gemma-3-1b-it-rbln-cr03"] == "departed"  # 7 groups share each slot
+    assert verdicts["h2o-danube3-500m"] == "agreed"  # one group: a slot is one layer
 
 
 def test_a_page_viewed_head_major_fails(pytester: pytest.Pytester) -> None:

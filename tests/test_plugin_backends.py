@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ import pytest
 from pytest_kvconform.scenario import load_scenario, packaged_scenario_names
 
 TOY = Path(__file__).parent / "toy_plugin"
+pytestmark = pytest.mark.usefixtures("toy_on_path")
 SUITES = Path(__file__).resolve().parents[1] / "pytest_kvconform" / "suites"
 RULES, ALLOCATION = str(SUITES / "test_kvconform_rules.py"), str(SUITES / "test_kvconform_allocation.py")
 SCENARIOS = [load_scenario(name) for name in packaged_scenario_names()]
@@ -59,7 +59,6 @@ def test_own_layer_specs_are_compared_layer_by_layer(
     that composes it, naming the layer and the field; every other family passes. In a
     subprocess: after another in-process run, a departure raised here may be of a stale copy of
     its class and count as a crash."""
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TOY), os.environ.get("PYTHONPATH")])))
     selected = "glm or (granite and not hma-disabled and not mamba-all)"
     result, rules = run(toy, RULES, "--kvconform-backend=toy-mla-kv", "-k", selected, subprocess=True)
     failed = {rule for rule, counts in rules.items() if counts["departed"] or counts["crashed"]}
@@ -157,7 +156,6 @@ def test_a_plugin_platform_is_driven_through_the_vllm_backend(
     if importlib.util.find_spec("vllm") is None:  # not imported here: pytester drops modules at teardown
         pytest.skip("vLLM is not installed")
     platform_suite = str(SUITES / "test_kvconform_platform.py")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TOY), os.environ.get("PYTHONPATH")])))
     result, rules = run(
         toy,
         platform_suite,

@@ -12,27 +12,25 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"),
+    pytest.mark.usefixtures("toy_on_path"),
+]
 
-TOY = Path(__file__).parent / "toy_plugin"
 RULES = str(Path(__file__).resolve().parents[1] / "pytest_kvconform" / "suites" / "test_kvconform_rules.py")
 
 
 def _verdicts(
     pytester: pytest.Pytester,
-    monkeypatch: pytest.MonkeyPatch,
     *options: str,
     tests: str = "test_layer_specs or test_kv_cache_groups",
     platform: str = "kvtoy.platform:ToyPlatform",
 ) -> dict[str, Any]:
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TOY), os.environ.get("PYTHONPATH")])))
-    monkeypatch.setenv("VLLM_CACHE_ROOT", os.environ.get("VLLM_CACHE_ROOT", str(Path.cwd() / ".vllm-cache")))
     report = pytester.path / "report.json"
     pytester.runpytest_subprocess(
         RULES, "--kvconform-backend=vllm", f"--kvconform-backend-option=platform={platform}",
@@ -43,34 +41,28 @@ def _verdicts(
     return {r["test"].rpartition("::")[2].partition("[")[0]: r for r in doc["results"]}
 
 
-def test_a_stand_ins_specs_are_vllm_cores_not_the_plugins(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_stand_ins_specs_are_vllm_cores_not_the_plugins(pytester: pytest.Pytester) -> None:
     """The toy platform with vLLM core's GPU worker: the worker builds no runner offline, so the
     stand-in answers its specs with vLLM's code (before: counted as the plugin's, agreed)."""
-    got = _verdicts(pytester, monkeypatch)
+    got = _verdicts(pytester)
     assert got["test_layer_specs"]["verdict"] == "core", got["test_layer_specs"]
     assert "layer_specs.layer_specs" in got["test_layer_specs"]["message"]
     assert got["test_kv_cache_groups"]["verdict"] == "core"  # vLLM's planner groups for every plugin
     assert got["test_layer_specs"]["answers"]["vLLM core"] >= 1  # (the toy platform's block choice: own)
 
 
-def test_the_plugins_own_worker_is_credited(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    got = _verdicts(pytester, monkeypatch, "--kvconform-backend-option=worker=kvtoy.worker:ToyWorker")
+def test_the_plugins_own_worker_is_credited(pytester: pytest.Pytester) -> None:
+    got = _verdicts(pytester, "--kvconform-backend-option=worker=kvtoy.worker:ToyWorker")
     assert got["test_layer_specs"]["verdict"] == "agreed", got["test_layer_specs"]
     assert got["test_layer_specs"]["answers"]["own"] >= 1
     assert got["test_kv_cache_groups"]["verdict"] == "core"
 
 
-def test_a_once_per_process_hook_credits_no_rule(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_once_per_process_hook_credits_no_rule(pytester: pytest.Pytester) -> None:
     """vLLM's planner runs the platform's ``register_custom_kv_cache_specs`` once per process, in
     the first plan asked. The harness runs it while preparing the scenario, so the plan it asks
     next is vLLM core's whichever test comes first (before: the first one counted as the
     plugin's, agreed, and the same test run after another was core)."""
     platform = "kvtoy.registering:RegisteringPlatform"
-    got = _verdicts(pytester, monkeypatch, tests="test_kv_cache_tensors", platform=platform)
+    got = _verdicts(pytester, tests="test_kv_cache_tensors", platform=platform)
     assert got["test_kv_cache_tensors"]["verdict"] == "core", got["test_kv_cache_tensors"]

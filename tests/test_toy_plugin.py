@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -19,18 +18,17 @@ import pytest
 
 from pytest_kvconform.backends.vllm.backend import VllmBackend
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"),
+    pytest.mark.usefixtures("toy_on_path"),
+]
 
-TOY = Path(__file__).parent / "toy_plugin"
 CORRECT = {"platform": "kvtoy.platform:ToyPlatform", "worker": "kvtoy.worker:ToyWorker"}
 
 
-def suites(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, *args: str, **options: str
-) -> tuple[pytest.RunResult, dict[str, Any]]:
+def suites(pytester: pytest.Pytester, *args: str, **options: str) -> tuple[pytest.RunResult, dict[str, Any]]:
     """The documented command in a subprocess (vLLM's extensions load once per process), with the
     toy plugin importable; returns the run and its JSON report."""
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TOY), os.environ.get("PYTHONPATH")])))
     report = pytester.path / "report.json"
     chosen = [f"--kvconform-backend-option={k}={v}" for k, v in {**CORRECT, **options}.items()]
     result = pytester.runpytest_subprocess(
@@ -50,15 +48,13 @@ def verdicts(doc: dict[str, Any], test: str) -> dict[str, str]:
     return out
 
 
-def test_a_correct_plugin_passes_every_suite(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_correct_plugin_passes_every_suite(pytester: pytest.Pytester) -> None:
     """The whole suite, property tests included, with no known-departure file: nothing departs or
     crashes. The false alarms a correct plugin used to hit: the Qwen3.5 bs160 reviewer numbers,
     stated for a kernel of 32, are not applicable to the toy's kernel of 8 (its plans agree at 8);
     the auto-fit message is compared by its numbers (the toy's engine says "GiB CPU"); the Gemma 4
     pool kept as per-layer views of one allocation is counted once; fp8 GQA pages agree."""
-    result, doc = suites(pytester, monkeypatch, "-n", "2", "--kvconform-max-examples=20")
+    result, doc = suites(pytester, "-n", "2", "--kvconform-max-examples=20")
     totals = doc["totals"]
     assert result.ret == pytest.ExitCode.OK, result.stdout.str()[-3000:]
     assert (totals["departed"], totals["crashed"]) == (0, 0), result.stdout.str()[-3000:]
@@ -83,16 +79,14 @@ def test_a_correct_plugin_passes_every_suite(
     assert "agreed" in props.values()
 
 
-def test_the_worker_is_handed_the_engine_config_without_the_pools_override(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_the_worker_is_handed_the_engine_config_without_the_pools_override(pytester: pytest.Pytester) -> None:
     """vllm-metal #527's scenario pins the whole pool (num_gpu_blocks_override = 999,999); the
     few-block config the worker is asked to hold used to carry it, so a correct worker held 999,999
     blocks against the reference's 3."""
     scenario = (
         Path(__file__).parents[1] / "pytest_kvconform/scenarios/regressions/qwen2.5-3b-block-override.toml"
     )
-    result, doc = suites(pytester, monkeypatch, f"--kvconform-scenarios={scenario}", "-k",
+    result, doc = suites(pytester, f"--kvconform-scenarios={scenario}", "-k",
                          "test_pool_holds_exactly_the_planned_blocks and block-override")  # fmt: skip
     assert result.ret == pytest.ExitCode.OK, result.stdout.str()[-3000:]
     assert verdicts(doc, "test_pool_holds_exactly_the_planned_blocks") == {
@@ -149,14 +143,13 @@ def test_the_worker_is_handed_the_engine_config_without_the_pools_override(
 )
 def test_a_plugin_with_one_wrong_formula_fails(
     pytester: pytest.Pytester,
-    monkeypatch: pytest.MonkeyPatch,
     options: dict[str, str],
     select: str,
     test: str,
     verdict: str,
     shown: str,
 ) -> None:
-    result, doc = suites(pytester, monkeypatch, "-k", select, **options)
+    result, doc = suites(pytester, "-k", select, **options)
     assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()[-3000:]
     assert verdicts(doc, test) == {test: verdict}, result.stdout.str()[-3000:]
     result.stdout.fnmatch_lines([shown])

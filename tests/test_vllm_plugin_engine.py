@@ -12,24 +12,18 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
 
-TOY = Path(__file__).parent / "toy_plugin"
 SUITES = Path(__file__).resolve().parents[1] / "pytest_kvconform" / "suites"
 RULES, ALLOCATION = str(SUITES / "test_kvconform_rules.py"), str(SUITES / "test_kvconform_allocation.py")
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
-
-
-@pytest.fixture
-def toy(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TOY), os.environ.get("PYTHONPATH")])))
-    monkeypatch.setenv("VLLM_CACHE_ROOT", os.environ.get("VLLM_CACHE_ROOT", str(Path.cwd() / ".vllm-cache")))
-    return pytester
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"),
+    pytest.mark.usefixtures("toy_on_path"),
+]
 
 
 def _run(pytester: pytest.Pytester, *args: str) -> tuple[pytest.RunResult, dict[str, Any]]:
@@ -38,7 +32,7 @@ def _run(pytester: pytest.Pytester, *args: str) -> tuple[pytest.RunResult, dict[
     return result, json.loads(report.read_text())
 
 
-def test_the_workers_own_specs_and_pool_are_checked(toy: pytest.Pytester) -> None:
+def test_the_workers_own_specs_and_pool_are_checked(pytester: pytest.Pytester) -> None:
     """Granite-4.0-H-Tiny (36 Mamba-2 + 4 attention layers, block 400): the toy worker's specs
     agree layer by layer, and its pool of 3 blocks holds 3 x 4 pages x 819,200 B = 9,830,400 B
     (one attention and one padded state page per slot of the 4-layer groups)."""
@@ -46,7 +40,7 @@ def test_the_workers_own_specs_and_pool_are_checked(toy: pytest.Pytester) -> Non
         "(layer_specs or test_plan or planned_blocks) and granite-4.0-h-tiny"
         " and not (tp4 or hma-disabled or mamba-all)"
     )
-    result, report = _run(toy, RULES, ALLOCATION, "--kvconform-backend=toy-worker", "-k", selected)
+    result, report = _run(pytester, RULES, ALLOCATION, "--kvconform-backend=toy-worker", "-k", selected)
     rules = report["rules"]
     assert result.ret == 0, result.stdout.str()[-3000:]
     assert rules["layer_specs"]["agreed"] == 1 and rules["plan"]["agreed"] == 1
@@ -56,9 +50,9 @@ def test_the_workers_own_specs_and_pool_are_checked(toy: pytest.Pytester) -> Non
     assert report["plan_steps"]["allocation.allocate_kv_cache"]["own"] == 1
 
 
-def test_a_worker_billing_state_layers_as_attention_fails(toy: pytest.Pytester) -> None:
+def test_a_worker_billing_state_layers_as_attention_fails(pytester: pytest.Pytester) -> None:
     selected = "(layer_specs or test_plan) and granite-4.0-h-tiny and not (tp4 or hma-disabled or mamba-all)"
-    result, report = _run(toy, RULES, "--kvconform-backend=toy-state-as-attention", "-k", selected)
+    result, report = _run(pytester, RULES, "--kvconform-backend=toy-state-as-attention", "-k", selected)
     rules = report["rules"]
     assert rules["layer_specs"]["departed"] == 1 and rules["plan"]["departed"] == 1
     assert report["totals"]["departed"] == 2 and sum(report["totals"].values()) == 2  # no crash
@@ -71,11 +65,11 @@ def test_a_worker_billing_state_layers_as_attention_fails(toy: pytest.Pytester) 
     ])  # fmt: skip
 
 
-def test_a_pool_per_aliased_tensor_fails_the_allocation(toy: pytest.Pytester) -> None:
+def test_a_pool_per_aliased_tensor_fails_the_allocation(pytester: pytest.Pytester) -> None:
     """vLLM 0.32's ten group tensors of Granite alias one allocation: a buffer per tensor holds
     10 x the 3 blocks' 9,830,400 B."""
     result, report = _run(
-        toy, ALLOCATION, "--kvconform-backend=toy-pool-per-tensor",
+        pytester, ALLOCATION, "--kvconform-backend=toy-pool-per-tensor",
         "-k", "planned_blocks and granite-4.0-h-tiny and not (tp4 or hma-disabled or mamba-all)",
     )  # fmt: skip
     from pytest_kvconform.backends.vllm.runtime import installed_vllm_version  # metadata only

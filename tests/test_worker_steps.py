@@ -14,27 +14,24 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"),
+    pytest.mark.usefixtures("toy_on_path"),
+]
 
-TOY = Path(__file__).parent / "toy_plugin"
 SUITES = Path(__file__).resolve().parents[1] / "pytest_kvconform" / "suites"
 #: one step each: the worker's specs, its memory probe, what it allocates
 STEPS = ("test_layer_specs", "test_available_memory", "test_pool_holds_exactly_the_planned_blocks")
 
 
-def _run(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, worker: str, *backend: str
-) -> tuple[dict[str, Any], str]:
+def _run(pytester: pytest.Pytester, worker: str, *backend: str) -> tuple[dict[str, Any], str]:
     """The three steps' tests on h2o-danube3-500m, with the toy platform and ``worker`` (or the
     ``backend`` options given instead)."""
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TOY), os.environ.get("PYTHONPATH")])))
-    monkeypatch.setenv("VLLM_CACHE_ROOT", os.environ.get("VLLM_CACHE_ROOT", str(Path.cwd() / ".vllm-cache")))
     report = pytester.path / "report.json"
     toy = ("--kvconform-backend=vllm", "--kvconform-backend-option=platform=kvtoy.platform:ToyPlatform",
            f"--kvconform-backend-option=worker=kvtoy.runner:{worker}")  # fmt: skip
@@ -50,9 +47,9 @@ def _run(
 
 
 def test_a_worker_that_builds_its_runner_in_init_device_answers_with_its_own_code(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+    pytester: pytest.Pytester,
 ) -> None:
-    got, out = _run(pytester, monkeypatch, "RunnerWorker")
+    got, out = _run(pytester, "RunnerWorker")
     steps = "init_device its own, load_model its own (no vLLM layers)"
     assert f"worker: kvtoy.runner.RunnerWorker ({steps})" in out
     for step in STEPS:
@@ -69,23 +66,23 @@ def test_a_worker_that_builds_its_runner_in_init_device_answers_with_its_own_cod
     ],
 )
 def test_one_wrong_formula_in_the_plugins_own_code_fails(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, worker: str, departs: str
+    pytester: pytest.Pytester, worker: str, departs: str
 ) -> None:
-    got, _ = _run(pytester, monkeypatch, worker)
+    got, _ = _run(pytester, worker)
     assert got[departs]["verdict"] == "departed", got[departs]
     assert got[departs]["answers"]["own"] >= 1, got[departs]
 
 
 def test_a_load_model_that_needs_the_weights_crashes_and_a_profile_hook_replaces_it(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+    pytester: pytest.Pytester,
 ) -> None:
     """``WeightsRunnerWorker`` loads weights in ``load_model`` (vllm-metal's does, through mlx-lm):
     offline its tests crash, never skip; its profile (kvtoy/profile.py: its own ``init_device``,
     a ``load_model`` hook that builds the runner's model without weights) makes them agree."""
-    got, _ = _run(pytester, monkeypatch, "WeightsRunnerWorker")
+    got, _ = _run(pytester, "WeightsRunnerWorker")
     assert {got[step]["verdict"] for step in STEPS} == {"crashed"}, got
     assert "model.safetensors" in got["test_layer_specs"]["message"]
-    got, out = _run(pytester, monkeypatch, "", "--kvconform-backend=kvtoy.profile:ToyMetalProfile")
+    got, out = _run(pytester, "", "--kvconform-backend=kvtoy.profile:ToyMetalProfile")
     assert "init_device its own, load_model the profile's hook (no vLLM layers)" in out
     for step in STEPS:
         assert got[step]["verdict"] == "agreed", got[step]

@@ -30,7 +30,7 @@ RULE_FAMILIES: dict[str, tuple[str, ...]] = {
     "grouping": ("kv_cache_groups", "kv_cache_tensors", "kv_cache_views"),
     "memory": ("determine_available_memory", "check_memory", "estimate_max_model_len"),
     "one_sequence": ("one_sequence_bytes",),
-    "kernel_block": ("kernel_block_size", "build_block_tables"),
+    "kernel_block": ("kernel_block_size", "build_block_tables", "kernel_cache_views"),
     "allocation": ("allocate_kv_cache", "check_kv_cache_config"),
     "plan": ("plan",),
     "platform": ("check_and_update_config", "engine", "rerun_hooks"),

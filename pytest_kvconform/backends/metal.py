@@ -5,7 +5,7 @@ grouping, the admission check) is inherited from the reference. What vllm-metal 
 itself comes from :mod:`pytest_kvconform.metal_runtime` and arrays it really allocates:
 
 * the kernel block size and the block-table split (``_pick_kernel_block_size``,
-  ``_build_block_tables``);
+  ``_build_block_tables``), and each cache as the kernel is handed it (``sdpa_forward``);
 * the bytes of one pool block (``get_cache_block_size_bytes``: the paged layers only) and
   the number of blocks a budget holds (``_paged_attention_plan``: ``budget // per_block``);
 * the one-sequence estimate (``estimate_one_sequence_kv_bytes``);
@@ -23,7 +23,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
-from ..model import KVPlan, MemoryCheck, PoolAllocation
+from ..model import KVCacheView, KVPlan, MemoryCheck, PoolAllocation
 from ..reference import plan as reference_plan
 from ..reference.specs import AttentionSpec, KVCacheSpec, MambaSpec
 from ..reference.speculative import num_draft_layers, speculative_method
@@ -77,6 +77,11 @@ _INT_STORAGE = (
     "the MLX pool stores K/V in float16, bfloat16 or float32 only (metal_runtime/pool.py; vllm-metal's "
     "attention/caches/kv_cache.py allocates the model dtype): a plugin-registered int8 kv_cache_dtype "
     "cannot be allocated"
+)
+_NO_QUANTIZED_CACHE = (
+    "vllm-metal stores K/V in the model dtype and never reads --kv-cache-dtype (vllm-metal @ 211a1e4, "
+    "attention/caches/kv_cache.py allocates model_config.dtype): the MLX pool has no cache in a "
+    "quantized or packed kv_cache_dtype for the kernel to read"
 )
 _FROM_VLLM_CORE = "vllm-metal takes it from vLLM core (its platform and worker call vLLM's own code)"
 _QUANTIZED = (
@@ -185,6 +190,8 @@ class MetalBackend(ReferenceBackend):
         # generated inputs, by kind of input
         KnownDeparture("memory", "check_memory", _QUANTIZED, when=QUANTIZED_KV, value=_REFUSES),
         KnownDeparture("plan", "plan", _QUANTIZED, when=QUANTIZED_KV, value=_REFUSES),
+        KnownDeparture("kernel_block", "kernel_cache_views", _NO_QUANTIZED_CACHE, when=QUANTIZED_KV,
+                       value=_REFUSES),
         *(KnownDeparture(rule, "bytes_per_block", reason, when=kind) for rule in ("memory", "plan")
           for kind, reason in ((MTP_DRAFT, _MTP_DRAFT_NOT_POOLED), (SHARED_GROUP_SLOTS, _PER_LAYER_POOL))),
     )  # fmt: skip
@@ -212,6 +219,23 @@ class MetalBackend(ReferenceBackend):
 
         table, kernel_block = build_block_tables(rows, block_size)
         return table.tolist(), kernel_block
+
+    def kernel_cache_views(
+        self, specs: dict[str, KVCacheSpec], num_blocks: int, scenario: Scenario | None = None
+    ) -> tuple[KVCacheView, ...]:
+        """The caches of a pool really allocated for each paged layer of ``specs`` (one pool per
+        distinct layer geometry), as the kernel is handed them."""
+        from ..metal_runtime import KVPool
+
+        pools: dict[tuple[Any, int], Any] = {}
+        views: list[KVCacheView] = []
+        for name, spec in specs.items():
+            if isinstance(spec, AttentionSpec):
+                layer = _pool_layer(spec)
+                if (layer, spec.block_size) not in pools:
+                    pools[layer, spec.block_size] = KVPool([layer], num_blocks, spec.block_size, 0)
+                views += _kernel_views(name, spec, pools[layer, spec.block_size])
+        return tuple(views)
 
     # -- one_sequence: measured on a really allocated pool
     def one_sequence_bytes(self, block_size: int, state_page_padded: int | None, scenario: Scenario) -> int:
@@ -270,26 +294,54 @@ def _scenario_layers(scenario: Scenario) -> list[Any]:
     ]
 
 
+def _pool_layer(spec: AttentionSpec) -> Any:
+    """The Metal pool's layer for an attention spec: K/V (or an MLA latent) in the spec's dtype."""
+    from ..metal_runtime import attention_layer, mla_layer
+
+    if spec.state_content_bytes is not None or spec.num_head_slots is not None or spec.page_size_padded:
+        raise ValueError(
+            f"the Metal runtime has no packed or padded KV pages ({spec.kind}, "
+            f"{spec.state_content_size_bytes} B per head slot); it stores plain K/V"
+        )
+    if spec.is_mla:
+        return mla_layer(spec.head_size, 0, spec.dtype)
+    return attention_layer(spec.num_kv_heads, spec.head_size, spec.dtype, spec.head_size_v)
+
+
 def _pool_bytes_per_block(specs: Sequence[KVCacheSpec]) -> int:
     """Bytes of one block of a pool allocated for the attention layers of ``specs`` (the Metal
     pool holds paged layers only; state lives in separate slots)."""
-    from ..metal_runtime import KVPool, attention_layer, mla_layer
+    from ..metal_runtime import KVPool
 
     attention = [s for s in specs if isinstance(s, AttentionSpec)]
     if not attention:
         raise ValueError("the Metal pool holds paged attention layers; these specs have none")
-    layers = []
-    for spec in attention:
-        if spec.state_content_bytes is not None or spec.num_head_slots is not None or spec.page_size_padded:
-            raise ValueError(
-                f"the Metal runtime has no packed or padded KV pages ({spec.kind}, "
-                f"{spec.state_content_size_bytes} B per head slot); it stores plain K/V"
-            )
-        if spec.is_mla:
-            layers.append(mla_layer(spec.head_size, 0, spec.dtype))
-        else:
-            layers.append(attention_layer(spec.num_kv_heads, spec.head_size, spec.dtype, spec.head_size_v))
     block_sizes = {s.block_size for s in attention}
     if len(block_sizes) != 1:
         raise ValueError(f"the Metal pool has one block size; the specs have {sorted(block_sizes)}")
-    return KVPool(layers, 1, block_sizes.pop(), 0).bytes_per_block()
+    return KVPool([_pool_layer(s) for s in attention], 1, block_sizes.pop(), 0).bytes_per_block()
+
+
+def _kernel_views(name: str, spec: AttentionSpec, pool: Any) -> list[KVCacheView]:
+    """The ``[B, H, N, C]`` views of one layer's arrays in ``pool`` (a pool of that layer alone)
+    as the kernel is handed them: K and V reshaped to kernel blocks (``reshape_cache_for_kernel``,
+    as vllm-metal's ``sdpa_forward``), an MLA latent whole. The axes are the allocated arrays'
+    (K/V ``[blocks, tokens, heads, dim]``, latent ``[blocks, tokens, dim]``); MLX arrays are
+    row-major, so an axis's stride is the product of the later axes' extents."""
+    from ..metal_runtime import pick_kernel_block_size, reshape_cache_for_kernel
+
+    views = []
+    for cache, array in pool.caches[0].items():
+        if spec.is_mla:
+            array = array.reshape(array.shape[0], array.shape[1], 1, array.shape[2])
+        else:
+            array = reshape_cache_for_kernel(array, pick_kernel_block_size(spec.block_size))
+        blocks, tokens, heads, width = array.shape
+        dtype = str(array.dtype).rsplit(".", 1)[-1]
+        shape, stride = (blocks, heads, tokens, width), (tokens * heads * width, width, heads * width, 1)
+        views.append(KVCacheView(f"{name}.{_CACHE_NAMES[cache]}", dtype, shape, stride, 0))
+    return views
+
+
+#: the pool's array names -> vllm-metal's cache names
+_CACHE_NAMES = {"k": "key_cache", "v": "value_cache", "latent": "latent_cache"}

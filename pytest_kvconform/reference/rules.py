@@ -37,7 +37,7 @@ from .grouping import GroupSpec, get_kv_cache_groups, unify_hybrid_kv_cache_spec
 from .layers import layer_specs
 from .mamba import Shapes, state_shapes
 from .parallel import pipeline_stages
-from .placement import kv_cache_tensors, kv_cache_views
+from .placement import kv_cache_tensor_slots, kv_cache_tensors, kv_cache_views
 from .plan import PlanTrace, compose_plan
 from .releases import LATEST, RuleSet
 from .specs import AttentionSpec, KVCacheSpec, MambaSpec, cdiv
@@ -208,8 +208,12 @@ class ReferenceRules:
         self, specs: dict[str, KVCacheSpec], num_blocks: int, scenario: Scenario
     ) -> tuple[KVCacheTensorPlacement, ...]:
         """``get_kv_cache_configs``' ``kv_cache_tensors`` for a pool of ``num_blocks`` blocks
-        (:mod:`.placement`; vLLM 0.29+, ``kv_cache_tensor_placement``)."""
-        return kv_cache_tensors(self._group_specs(specs, scenario), num_blocks)
+        (:mod:`.placement`: from vLLM 0.29, ``kv_cache_tensor_placement``, offsets and strides in
+        the engine's layout; before, one tensor per layer slot)."""
+        groups = self._group_specs(specs, scenario)
+        if not self.release.has("kv_cache_tensor_placement"):
+            return kv_cache_tensor_slots(groups, num_blocks)
+        return kv_cache_tensors(groups, num_blocks)
 
     def kv_cache_views(
         self, specs: dict[str, KVCacheSpec], num_blocks: int, scenario: Scenario
@@ -304,6 +308,13 @@ class ReferenceRules:
         self, rows: Sequence[Sequence[int]], block_size: int, scenario: Scenario | None = None
     ) -> tuple[list[list[int]], int]:
         return metal.build_block_tables(rows, block_size)
+
+    def kernel_cache_views(
+        self, specs: dict[str, KVCacheSpec], num_blocks: int, scenario: Scenario | None = None
+    ) -> tuple[KVCacheView, ...]:
+        """Each paged layer's caches in a pool of ``num_blocks`` blocks as the Metal kernel reads
+        them (:func:`.metal.kernel_cache_views`)."""
+        return metal.kernel_cache_views(specs, num_blocks)
 
     # -- plan: every rule above, composed through this object
     def plan(self, scenario: Scenario) -> KVPlan:

@@ -8,14 +8,15 @@ serve the layer, and a layer no candidate serves is ``ValueError("No valid atten
 for cuda with <selector config>. Reasons: {...}.")``: the engine does not start.
 
 The reference models the backend a layer cannot avoid: a ``turboquant_*`` cache is served only by
-``TurboQuantAttentionBackend`` (vllm/v1/attention/backends/turboquant_attn.py; no other backend
-lists those dtypes in ``supported_kv_cache_dtypes``), which supports float16/bfloat16 models,
-decoder self-attention, no attention sinks (``supports_sink``), no sliding window
-(``supports_sliding_window``; checked from ``attention_selection_checks_sliding_window``) and no
-decode context parallelism (its impl's ``supports_dcp``; checked from
-``attention_selection_checks_dcp``). A skip layer (``--kv-cache-dtype-skip-layers``) keeps the
-model dtype and another backend. The other backends' checks (head sizes, block sizes, compute
-capability) depend on the device: not modelled.
+``TurboQuantAttentionBackend`` (vllm/v1/attention/backends/turboquant_attn.py; no other backend,
+MLA backends included, lists those dtypes in ``supported_kv_cache_dtypes``), which supports
+float16/bfloat16 models, decoder self-attention, no MLA (``is_mla``), no attention sinks
+(``supports_sink``), no sliding window (``supports_sliding_window``; checked from
+``attention_selection_checks_sliding_window``) and no decode context parallelism (its impl's
+``supports_dcp``; checked from ``attention_selection_checks_dcp``); any head size. A skip
+layer (``--kv-cache-dtype-skip-layers``) keeps the model dtype and another backend. The other
+backends' checks (head sizes, compute capability) depend on the device: not modelled; their
+block-size check is the runner's (:func:`kernel_block_sizes`).
 
 After the pool is planned, the runner picks each group's kernel block
 (:func:`kernel_block_sizes`): the engine's refusal of a ``--block-size`` its attention backends do
@@ -46,17 +47,15 @@ def turboquant_reasons(scenario: Scenario, index: int, code: str, release: RuleS
     model, rt = scenario.model, scenario.runtime
     assert model is not None and model.attention is not None
     kind = ATTENTION_KIND[code]
-    if (
-        model.use_mla  # an MLA layer's backends never list a turboquant dtype (not modelled here)
-        or not rt.kv_cache_dtype.startswith("turboquant_")
-        or is_skip_layer(index, kind, skip_layers(scenario))
-    ):
+    if not rt.kv_cache_dtype.startswith("turboquant_") or is_skip_layer(index, kind, skip_layers(scenario)):
         return []
     reasons = []
     if model.dtype not in ("float16", "bfloat16"):
         reasons.append("dtype not supported")
     if model.attention.sinks:
         reasons.append("attention sinks not supported")
+    if model.use_mla:  # no MLA backend lists a turboquant dtype, and TurboQuant's is not one
+        reasons.append("MLA not supported")
     if kind == "cross_attention":
         reasons.append("attention type encoder_decoder not supported")
     if kind == "sliding_window" and release.has("attention_selection_checks_sliding_window"):

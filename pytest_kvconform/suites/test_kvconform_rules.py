@@ -35,8 +35,9 @@ def test_kv_cache_dtype_bytes(
 # One test per per-scenario check of ``checks.CHECKS`` (the table ``kvconform check`` runs too):
 # test_hybrid_alignment, test_choose_block_size, test_state_shapes_and_page, test_layer_specs,
 # test_attention_page_bytes, test_max_memory_usage_bytes, test_unify_page_sizes,
-# test_kv_cache_groups, test_kv_cache_tensors, test_kv_cache_views, test_check_memory,
-# test_estimate_max_model_len[scenario-fraction], test_one_sequence_bytes, test_plan, test_expectations.
+# test_kv_cache_groups, test_kv_cache_tensors, test_kv_cache_views, test_kernel_cache_views,
+# test_check_memory, test_estimate_max_model_len[scenario-fraction], test_one_sequence_bytes,
+# test_plan, test_expectations.
 for _check in checks.CHECKS:
     globals()[_check.test] = checks.suite_test(_check)
 del _check

@@ -53,10 +53,10 @@ def base_for(kv_cache_dtype: str | None, use_mla: bool) -> str:
     cache the same except the per-token-head scales, which only Triton's ``customize_spec`` adds:
     what Phase 3 reads when a skip layer comes first."""
     dtype = kv_cache_dtype or "auto"
+    if dtype.startswith("turboquant_"):  # the only backend listing them, MLA layers' too
+        return "TURBOQUANT"
     if use_mla:
         return "CPU_MLA"
-    if dtype.startswith("turboquant_"):
-        return "TURBOQUANT"
     if dtype in CPU_BUILD_LACKS:
         raise UnsupportedByVllmError("cpu_build", CPU_BUILD_LACKS[dtype])
     if dtype in UNQUANTIZED:

@@ -294,7 +294,9 @@ def kv_cache_views(kv_config: Any, layout: Any, kernel_block_sizes: list[int]) -
 def tensor_placements(kv_config: Any) -> tuple[KVCacheTensorPlacement, ...]:
     """A ``KVCacheConfig``'s ``kv_cache_tensors`` (0.29+: ``KVCacheTensor(size, layers,
     layer_stride, block_stride, offset)``), each with its first layer's page as the views see it
-    (the spec's ``num_heads``, ``num_states``, ``state_content_size_bytes``)."""
+    (the spec's ``num_heads``, ``num_states``, ``state_content_size_bytes``). Before 0.29,
+    ``KVCacheTensor(size, shared_by)``: a tensor of its layers alone, each at byte 0, its block
+    ``size / num_blocks`` bytes, with no page shape."""
     specs = {}
     for group in kv_config.kv_cache_groups:
         for name in group.layer_names:
@@ -303,7 +305,9 @@ def tensor_placements(kv_config: Any) -> tuple[KVCacheTensorPlacement, ...]:
     placements = []
     for t in kv_config.kv_cache_tensors:
         if not hasattr(t, "layer_stride"):
-            raise NotImplementedError("KVCacheTensor(size, shared_by) (vLLM before 0.29) places no layer")
+            page = int(t.size) // kv_config.num_blocks
+            placements.append(KVCacheTensorPlacement(tuple(t.shared_by), int(t.size), 0, 0, page, None))
+            continue
         spec = specs[t.layers[0]]
         shape = (int(spec.num_heads), int(spec.num_states), int(spec.state_content_size_bytes))
         placements.append(KVCacheTensorPlacement(
