@@ -199,25 +199,31 @@ def kv_cache_tensors(backend: Any, reference: Any, scenario: Scenario) -> None:
 
 def kv_cache_views(backend: Any, reference: Any, scenario: Scenario) -> None:
     """Each layer's ``[B, H, N, C]`` view of that pool: its dtype, shape, strides and where it
-    begins in the backing allocation (vLLM 0.29+, the runner's ``allocate_kv_cache``)."""
-    if not reference.release.has("kv_cache_tensor_placement"):
-        raise NotApplicable(f"the reference views KV cache tensors from vLLM 0.29, not {reference.release}")
+    begins in the backing allocation (vLLM 0.29+, the runner's ``allocate_kv_cache``; before,
+    its ``_reshape_kv_cache_tensors``, through each layer's attention backend)."""
     specs, groups = placement_specs(reference, scenario, "views")
     kernel_blocks = outcome(reference, "kernel_block_sizes", groups, scenario=scenario)
     if kernel_blocks[0] != "ok":  # the runner picks them before it allocates
         raise NotApplicable(
             f"the engine refuses this scenario's kernel blocks ({kernel_blocks[1]}); test_plan compares that"
         )
-    expected = reference.kv_cache_views(specs, PLACEMENT_BLOCKS, scenario=scenario)
+    expected = call_rule(reference, "kv_cache_views", specs, PLACEMENT_BLOCKS, scenario=scenario)
     got = call_rule(backend, "kv_cache_views", specs, PLACEMENT_BLOCKS, scenario=scenario)
     assert_same("grouping", backend, scenario, {"kv_cache_views": {v.layer: v for v in expected}},
                 {"kv_cache_views": {v.layer: v for v in got}})  # fmt: skip
 
 
 def kernel_cache_views(backend: Any, reference: Any, scenario: Scenario) -> None:
-    """Each paged layer's caches as vllm-metal's kernel reads them, for the reference's specs in a
-    pool of a few blocks: dtype, shape (in kernel blocks), strides (vllm-metal's ``sdpa_forward``)."""
-    specs = reference_specs(reference, scenario)
+    """Each paged layer's caches as vllm-metal's kernel reads them, for the pages vLLM plans (the
+    reference's specs, unified: a mixed sliding/full model's groups keep their own blocks, which
+    vllm-metal's layout adopts) in a pool of a few blocks: dtype, shape (in kernel blocks) and
+    strides (vllm-metal's ``sdpa_forward``)."""
+    unified = outcome(reference, "unify_page_sizes", reference_specs(reference, scenario), scenario=scenario)
+    if unified[0] != "ok":
+        raise NotApplicable(
+            f"the reference rejects this scenario's pages ({unified[1]}); test_unify_page_sizes checks that"
+        )
+    specs = unified[1]
     expected = outcome(reference, "kernel_cache_views", specs, PLACEMENT_BLOCKS, scenario=scenario)
     got = outcome(backend, "kernel_cache_views", specs, PLACEMENT_BLOCKS, scenario=scenario)
     assert_same_outcome("kernel_block", backend, scenario, "kernel_cache_views", expected, got,

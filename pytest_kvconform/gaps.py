@@ -26,6 +26,8 @@ OFFLINE_GAPS: dict[str, str] = {
     "initialize_kv_cache); only a plugin's worker is asked to allocate here",
     "one_unify_policy": "vLLM implements one page unification (pad-to-max); the scenario asks for another",
     "device_count": "the host has fewer devices than the plugin's mesh needs",
+    "runner_views": "before vLLM 0.29 a plugin's own model runner makes its layers' views (its "
+    "_reshape_kv_cache_tensors, inside its allocation); the harness runs vLLM core's runner's only",
 }
 
 

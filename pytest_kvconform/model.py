@@ -88,12 +88,13 @@ class KVCacheView:
     """One layer's KV cache as its kernel reads it (vLLM 0.29+, ``create_kv_cache_views``): the
     ``[B, H, N, C]`` view of the backing allocation (blocks, heads, states, cell content) in
     elements of ``dtype`` (the spec's; bytes, ``int8``, for a state layer, whose spec has none):
-    its shape, strides and storage offset."""
+    its shape, strides and storage offset. Before 0.29 the shape is the attention backend's
+    (``get_kv_cache_shape``), and a state layer has one view per state tensor (``<layer>[i]``)."""
 
     layer: str
     dtype: str
-    shape: tuple[int, int, int, int]
-    stride: tuple[int, int, int, int]
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
     offset: int
 
 

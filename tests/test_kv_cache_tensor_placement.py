@@ -15,6 +15,7 @@ from pytest_kvconform.backends.base import ReferenceBackend
 from pytest_kvconform.model import KVCacheTensorPlacement, KVCacheView
 from pytest_kvconform.reference.releases import rule_set
 from pytest_kvconform.reference.rules import reference_rules
+from pytest_kvconform.rejections import Rejected
 from pytest_kvconform.scenario import load_scenario
 
 RULES = str(Path(__file__).resolve().parents[1] / "pytest_kvconform" / "suites" / "test_kvconform_rules.py")
@@ -116,6 +117,41 @@ def test_a_second_tensors_views_begin_after_the_first() -> None:
     )
 
 
+def _views_at(name: str, release: str) -> dict[str, KVCacheView]:
+    reference, scenario = reference_rules(rule_set(release)), load_scenario(name)
+    views = reference.kv_cache_views(reference.layer_specs(scenario=scenario), 3, scenario=scenario)
+    return {v.layer: v for v in views}
+
+
+@pytest.mark.parametrize("release", ["0.23", "0.25"])
+def test_before_0_26_an_attention_view_is_k_and_v_per_block(release: str) -> None:
+    """FlashAttention's ``(num_blocks, 2, block_size, kv_heads, head_size)``, NHD as is: a block is
+    a page of 49,152 B (24,576 bf16), V 16 x 8 x 96 = 12,288 after K, a token 8 x 96 = 768."""
+    name = "model.layers.1.self_attn"
+    assert _views_at("h2o-danube3-500m", release)[name] == KVCacheView(
+        name, "bfloat16", (3, 2, 16, 8, 96), (24_576, 12_288, 768, 96, 1), 0
+    )
+
+
+def test_before_0_26_a_state_layer_has_a_view_per_state() -> None:
+    """Granite-4.0-H-Tiny: the conv state (3, 3,328) then the SSM state (48, 64, 128), both bf16,
+    after 3 x 3,328 = 9,984 elements, each block one padded page of 819,200 B (409,600 bf16); the
+    attention layers at block 400: (3, 2, 400, 4, 128)."""
+    views = _views_at("granite-4.0-h-tiny", "0.23")
+    conv, ssm, attention = "model.layers.0.mixer[0]", "model.layers.0.mixer[1]", "model.layers.5.self_attn"
+    assert views[conv] == KVCacheView(conv, "bfloat16", (3, 3, 3_328), (409_600, 3_328, 1), 0)
+    assert views[ssm] == KVCacheView(ssm, "bfloat16", (3, 48, 64, 128), (409_600, 8_192, 128, 1), 9_984)
+    assert views[attention] == KVCacheView(
+        attention, "bfloat16", (3, 2, 400, 4, 128), (409_600, 204_800, 512, 128, 1), 0
+    )
+
+
+def test_the_views_of_0_26_to_0_28_are_not_modelled() -> None:
+    reference, scenario = reference_rules(rule_set("0.26")), load_scenario("h2o-danube3-500m")
+    with pytest.raises(Rejected, match=r"0\.26 to 0\.28"):
+        reference.kv_cache_views(reference.layer_specs(scenario=scenario), 3, scenario=scenario)
+
+
 def test_the_placement_is_modelled_from_0_29() -> None:
     """0.29 gave ``KVCacheTensor`` its layers and strides and the engine its layout."""
     assert rule_set("0.29").has("kv_cache_tensor_placement")
@@ -147,6 +183,19 @@ class TensorPerLayer(ReferenceBackend):
     def kv_cache_tensors(self, specs, num_blocks, scenario):
         tensors = super().kv_cache_tensors(specs, num_blocks, scenario=scenario)
         return tuple(dataclasses.replace(t, layers=(name,)) for t in tensors for name in t.layers)
+
+
+class KvFirst(ReferenceBackend):
+    '''Views an attention layer K/V-first, (2, num_blocks, ...), where vLLM 0.23's FlashAttention
+    and Triton put the block first.'''
+
+    name = "kv-first"
+
+    def kv_cache_views(self, specs, num_blocks, scenario):
+        views = super().kv_cache_views(specs, num_blocks, scenario=scenario)
+        swap = lambda t: (t[1], t[0], *t[2:])  # noqa: E731
+        return tuple(dataclasses.replace(v, shape=swap(v.shape), stride=swap(v.stride)) if len(v.shape) == 5
+                     else v for v in views)  # fmt: skip
 
 
 class HeadMajor(ReferenceBackend):
@@ -188,6 +237,13 @@ def test_a_tensor_per_layer_before_0_29_fails(pytester: pytest.Pytester) -> None
     verdicts = _verdicts(pytester, "TensorPerLayer", tests, release="0.28")
     assert verdicts["gemma-3-1b-it-rbln-cr03"] == "departed"  # 7 groups share each slot
     assert verdicts["h2o-danube3-500m"] == "agreed"  # one group: a slot is one layer
+
+
+def test_a_kv_first_view_before_0_26_fails(pytester: pytest.Pytester) -> None:
+    tests = "test_kv_cache_views and (h2o-danube3-500m or glm-4.7-flash-bf16)"
+    verdicts = _verdicts(pytester, "KvFirst", tests, release="0.23")
+    assert verdicts["h2o-danube3-500m"] == "departed"
+    assert verdicts["glm-4.7-flash-bf16"] == "agreed"  # an MLA latent has no K/V axis
 
 
 def test_a_page_viewed_head_major_fails(pytester: pytest.Pytester) -> None:

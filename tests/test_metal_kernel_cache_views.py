@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from pytest_kvconform import checks
 from pytest_kvconform.backends.base import ReferenceBackend
 from pytest_kvconform.model import KVCacheView
 from pytest_kvconform.scenario import load_scenario
@@ -18,9 +19,10 @@ RULES = str(Path(__file__).resolve().parents[1] / "pytest_kvconform" / "suites" 
 
 
 def _views(name: str) -> dict[str, KVCacheView]:
+    """The reference's views of the pages vLLM plans (the specs unified), at 3 blocks."""
     reference, scenario = ReferenceBackend(), load_scenario(name)
-    views = reference.kernel_cache_views(reference.layer_specs(scenario=scenario), 3, scenario=scenario)
-    return {v.layer: v for v in views}
+    specs = reference.unify_page_sizes(reference.layer_specs(scenario=scenario), scenario=scenario)
+    return {v.layer: v for v in reference.kernel_cache_views(specs, 3, scenario=scenario)}
 
 
 def test_k_and_v_are_token_major_arrays_of_their_own() -> None:
@@ -39,6 +41,31 @@ def test_a_hybrid_block_is_handed_over_in_kernel_blocks() -> None:
     assert len(views) == 12  # 6 attention layers, K and V each
     name = "model.layers.3.self_attn.value_cache"
     assert views[name] == KVCacheView(name, "bfloat16", (51, 2, 32, 256), (16_384, 256, 512, 1), 0)
+
+
+def test_a_mixed_models_groups_keep_their_own_blocks() -> None:
+    """Gemma-4-31B: a sliding layer's page is 16 tokens x 16 heads x 256 x 2 x 2 B = 262,144; a
+    full layer's 16 x 4 x 512 x 2 x 2 = 131,072, which unify doubles to block 32, and the kernel
+    reads it in kernel blocks of 32 (vllm-metal's layout adopts the groups' blocks, PR #563)."""
+    views = _views("gemma-4-31b-it")
+    sliding, full = "model.layers.0.self_attn.key_cache", "model.layers.5.self_attn.key_cache"
+    assert views[sliding] == KVCacheView(sliding, "bfloat16", (3, 16, 16, 256), (65_536, 256, 4_096, 1), 0)
+    assert views[full] == KVCacheView(full, "bfloat16", (3, 4, 32, 512), (65_536, 512, 2_048, 1), 0)
+
+
+def test_the_check_hands_over_the_pages_vllm_plans() -> None:
+    """``test_kernel_cache_views`` asks for the unified specs: Gemma-4-31B's full layers at 32."""
+    handed: dict[str, object] = {}
+
+    class Spy(ReferenceBackend):
+        name = "spy"
+
+        def kernel_cache_views(self, specs, num_blocks, scenario=None):  # type: ignore[no-untyped-def]
+            handed.update(specs)
+            return super().kernel_cache_views(specs, num_blocks, scenario=scenario)
+
+    checks.kernel_cache_views(Spy(), ReferenceBackend(), load_scenario("gemma-4-31b-it"))
+    assert handed["model.layers.5.self_attn"].block_size == 32  # type: ignore[attr-defined]
 
 
 def test_an_mla_latent_is_one_head_a_block_whole() -> None:
@@ -67,14 +94,17 @@ class WholeBlocks(MetalBackend):
 """
 
 
+SCENARIOS = ("h2o-danube3-500m", "qwen3.5-0.8b", "glm-4.7-flash-bf16", "gemma-4-31b-it")
+
+
 def _verdicts(pytester: pytest.Pytester, backend: str) -> dict[str, str]:
-    """Scenario -> verdict of ``test_kernel_cache_views`` for ``backend`` on three scenarios."""
+    """Scenario -> verdict of ``test_kernel_cache_views`` for ``backend`` on :data:`SCENARIOS`."""
     pytester.makepyfile(broken_metal=BROKEN)
     pytester.syspathinsert()
     report = pytester.path / "report.json"
     pytester.runpytest_subprocess(
         RULES, f"--kvconform-backend={backend}", "-k",
-        "test_kernel_cache_views and (h2o-danube3-500m or qwen3.5-0.8b or glm-4.7-flash-bf16)",
+        f"test_kernel_cache_views and ({' or '.join(f'{name}]' for name in SCENARIOS)})",
         f"--kvconform-report={report}", "-p", "no:cacheprovider",
     )  # fmt: skip
     return {r["scenario"]: r["verdict"] for r in json.loads(report.read_text())["results"]}
@@ -82,7 +112,8 @@ def _verdicts(pytester: pytest.Pytester, backend: str) -> dict[str, str]:
 
 def test_the_metal_pool_agrees_and_whole_blocks_fail(pytester: pytest.Pytester) -> None:
     pytest.importorskip("mlx.core")
-    expected = {"h2o-danube3-500m": "agreed", "qwen3.5-0.8b": "agreed", "glm-4.7-flash-bf16": "agreed"}
+    expected = dict.fromkeys(SCENARIOS, "agreed")
     assert _verdicts(pytester, "metal") == expected
     broken = _verdicts(pytester, "broken_metal:WholeBlocks")
-    assert broken == {**expected, "qwen3.5-0.8b": "departed"}  # block 16 and MLA: nothing to split
+    # block 16 is a kernel block, 32 too, and an MLA latent is not split: only block 544 departs
+    assert broken == {**expected, "qwen3.5-0.8b": "departed"}

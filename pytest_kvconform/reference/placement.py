@@ -13,13 +13,14 @@ tensor of the group begins where its layers end.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from ..model import KVCacheTensorPlacement, KVCacheView
 from ..rejections import Rejected
 from .dtypes import DTYPE_SIZE
 from .grouping import GroupSpec
-from .specs import AttentionSpec, KVCacheSpec
+from .specs import AttentionSpec, KVCacheSpec, MambaSpec
 
 
 def page_shape(spec: KVCacheSpec) -> tuple[int, int, int]:
@@ -121,4 +122,63 @@ def kv_cache_views(
             KVCacheView(name, dtype, shape, stride, (t.offset + i * t.layer_stride) // item)
             for i, name in enumerate(t.layers)
         ]
+    return tuple(views)
+
+
+def _contiguous(shape: tuple[int, ...], block_stride: int) -> tuple[int, ...]:
+    """Row-major strides of ``shape``, the first (the block's) replaced by ``block_stride``."""
+    strides, step = [], 1
+    for extent in reversed(shape):
+        strides.append(step)
+        step *= extent
+    return (block_stride, *reversed(strides[:-1]))
+
+
+def kv_cache_views_by_backend(groups: Sequence[GroupSpec], num_blocks: int) -> tuple[KVCacheView, ...]:
+    """Each layer's KV cache in vLLM 0.23 to 0.25, as ``GPUModelRunner._reshape_kv_cache_tensors``
+    (vllm/v1/worker/gpu_model_runner.py, 0.23) views its tensor of :func:`kv_cache_tensor_slots`
+    (every layer at byte 0; a block a page, a padded page too, ``torch.as_strided``):
+
+    * an attention layer through its backend's ``get_kv_cache_shape`` and
+      ``get_kv_cache_stride_order`` (NHD: as is): FlashAttention's and Triton's
+      ``(num_blocks, 2, block_size, kv_heads, head_size)``, an int8 or fp8 ``*_per_token_head``
+      head wider by its fp32 scale (Triton); an MLA latent and a DSA indexer key ``(num_blocks,
+      block_size, head_size)`` in their dtype. Other packed formats (TurboQuant, nvfp4,
+      UltraQuant, int4, fp8_ds_mla) have shapes of their own backends: not modelled;
+    * a state layer as one view per state tensor, ``(num_blocks, *shape)`` in its dtype, each
+      beginning where the previous one ends, named ``<layer>[i]``.
+
+    The kernel block is the block (``MultipleOf`` backends split none). 0.26 to 0.28 view otherwise
+    (``attention_kv_cache_bhnc``): the caller does not ask them."""
+    views = []
+    for group in groups:
+        for name, spec in zip(group.layer_names, group.specs, strict=True):
+            if isinstance(spec, MambaSpec):
+                offset = 0
+                for i, (state, dtype) in enumerate(zip(spec.shapes, spec.dtypes, strict=True)):
+                    item, shape = DTYPE_SIZE[dtype], (num_blocks, *state)
+                    stride = _contiguous(shape, spec.page_size_bytes // item)
+                    views.append(KVCacheView(f"{name}[{i}]", dtype, shape, stride, offset // item))
+                    offset += math.prod(state) * item
+                continue
+            assert isinstance(spec, AttentionSpec)
+            item = DTYPE_SIZE[spec.dtype]
+            plain = spec.num_head_slots is None and spec.state_content_bytes is None
+            # int8/fp8 *_per_token_head: each of K and V one fp32 scale per head wider
+            per_token_head = spec.state_content_bytes == 2 * spec.head_size * item + 8
+            if spec.is_mla and plain:  # a latent, or a DSA indexer key
+                shape: tuple[int, ...] = (num_blocks, spec.block_size, spec.head_size)
+            elif not spec.is_mla and spec.head_size_v in (None, spec.head_size) and (plain or per_token_head):
+                shape = (
+                    num_blocks,
+                    2,
+                    spec.block_size,
+                    spec.num_kv_heads,
+                    spec.state_content_size_bytes // 2 // item,
+                )
+            else:
+                raise Rejected("not_modelled", f"the KV cache shape of {spec.kind} pages of "
+                               f"{spec.state_content_size_bytes} B per head before vLLM 0.29")  # fmt: skip
+            stride = _contiguous(shape, spec.page_size_bytes // item)
+            views.append(KVCacheView(name, spec.dtype, shape, stride, 0))
     return tuple(views)

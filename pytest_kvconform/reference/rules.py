@@ -37,7 +37,7 @@ from .grouping import GroupSpec, get_kv_cache_groups, unify_hybrid_kv_cache_spec
 from .layers import layer_specs
 from .mamba import Shapes, state_shapes
 from .parallel import pipeline_stages
-from .placement import kv_cache_tensor_slots, kv_cache_tensors, kv_cache_views
+from .placement import kv_cache_tensor_slots, kv_cache_tensors, kv_cache_views, kv_cache_views_by_backend
 from .plan import PlanTrace, compose_plan
 from .releases import LATEST, RuleSet
 from .specs import AttentionSpec, KVCacheSpec, MambaSpec, cdiv
@@ -219,8 +219,17 @@ class ReferenceRules:
         self, specs: dict[str, KVCacheSpec], num_blocks: int, scenario: Scenario
     ) -> tuple[KVCacheView, ...]:
         """Each layer's ``[B, H, N, C]`` view of that pool, as the runner's ``allocate_kv_cache``
-        makes it in the engine's layout (:func:`.placement.kv_cache_views`; vLLM 0.29+)."""
-        return kv_cache_views(self._group_specs(specs, scenario), num_blocks)
+        makes it in the engine's layout (:func:`.placement.kv_cache_views`; vLLM 0.29+); in 0.23 to
+        0.25, as the runner's ``_reshape_kv_cache_tensors`` makes it through each layer's attention
+        backend (:func:`.placement.kv_cache_views_by_backend`); 0.26 to 0.28 not modelled."""
+        groups = self._group_specs(specs, scenario)
+        if self.release.has("kv_cache_tensor_placement"):
+            return kv_cache_views(groups, num_blocks)
+        if self.release.has("attention_kv_cache_bhnc"):
+            raise Rejected(
+                "not_modelled", "the KV cache views of vLLM 0.26 to 0.28 (attention_kv_cache_bhnc)"
+            )
+        return kv_cache_views_by_backend(groups, num_blocks)
 
     # -- memory
     def determine_available_memory(self, device_free_bytes: int | None = None, *, scenario: Scenario) -> int:

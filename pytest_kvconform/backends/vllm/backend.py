@@ -22,6 +22,7 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar, TypeVar
 
+from ...gaps import OfflineGap
 from ...model import (
     BlockChoice,
     HybridAlignment,
@@ -82,6 +83,7 @@ from .runtime import (
 from .worker import (
     GPU_WORKER,
     STAND_IN_ANSWERS,
+    RunnerStandIn,
     WorkerSteps,
     build_worker,
     bytes_held,
@@ -640,13 +642,28 @@ class VllmBackend(ReferenceBackend):
         """The runner's ``allocate_kv_cache`` (vllm/v1/worker/utils.py, 0.29+) of that pool, on the
         ``meta`` device, in the layout the engine resolved from its workers' backends (the
         default preference for specs without a model), with the kernel blocks
-        ``prepare_kernel_block_sizes`` picks (:meth:`kernel_block_sizes`)."""
+        ``prepare_kernel_block_sizes`` picks (:meth:`kernel_block_sizes`). Before 0.29 (no
+        layout): vLLM core's runner's ``_reshape_kv_cache_tensors`` through each layer's backend
+        (:func:`.planning.kv_cache_views_by_runner`); a plugin's runner views its own."""
         groups = self.kv_cache_groups(specs, scenario=scenario)
         kernel_blocks = self.kernel_block_sizes(groups, scenario=scenario)
         engine = None if scenario.is_spec_level else self._engine(scenario)
         with self._pool_config(specs, num_blocks, scenario) as (config, kv_config):
-            layout = (config if engine is None else engine.config).cache_config.get_resolved_kv_cache_layout()
-            return planning.kv_cache_views(kv_config, layout, kernel_blocks)
+            cache_config = (config if engine is None else engine.config).cache_config
+            if hasattr(cache_config, "get_resolved_kv_cache_layout"):  # 0.29+
+                layout = cache_config.get_resolved_kv_cache_layout()
+                return planning.kv_cache_views(kv_config, layout, kernel_blocks)
+            if engine is None:
+                raise OfflineGap("no_model", "before vLLM 0.29 a view is its layer's attention backend's")
+            if not isinstance(engine.worker.model_runner, RunnerStandIn):
+                raise OfflineGap("runner_views", type(engine.worker.model_runner).__qualname__)
+            from ...conformance import layer_key  # the reference's layer names are not vLLM's prefixes
+
+            forward = engine.config.compilation_config.static_forward_context
+            own = self.layer_specs(scenario)
+            built = {layer_key(n, s): forward[n].get_attn_backend() for n, s in own.items()}
+            backends = {name: built[layer_key(name, spec)] for name, spec in specs.items()}
+            return planning.kv_cache_views_by_runner(engine.config, kv_config, kernel_blocks, backends)
 
     @contextlib.contextmanager
     def _pool_config(

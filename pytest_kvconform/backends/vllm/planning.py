@@ -285,10 +285,55 @@ def kv_cache_views(kv_config: Any, layout: Any, kernel_block_sizes: list[int]) -
     from vllm.v1.worker.utils import allocate_kv_cache
 
     views = allocate_kv_cache(kv_config, torch.device("meta"), layout, kernel_block_sizes)
-    return tuple(
-        KVCacheView(name, dtype_name(v.dtype), tuple(v.shape), tuple(v.stride()), int(v.storage_offset()))
-        for name, v in views.items()
-    )
+    return tuple(_view(name, v) for name, v in views.items())
+
+
+def _view(name: str, t: Any) -> KVCacheView:
+    return KVCacheView(name, dtype_name(t.dtype), tuple(t.shape), tuple(t.stride()), int(t.storage_offset()))
+
+
+def kv_cache_views_by_runner(
+    config: Any, kv_config: Any, kernel_block_sizes: list[int], backends: Mapping[str, type]
+) -> tuple[KVCacheView, ...]:
+    """vLLM's ``GPUModelRunner._allocate_kv_cache_tensors`` and ``_reshape_kv_cache_tensors``
+    (vllm/v1/worker/gpu_model_runner.py, before 0.29) of ``kv_config`` on the ``meta`` device:
+    each layer through its attention backend (``backends``: the one its layer was built with),
+    grouped per KV cache group and backend as the runner's ``initialize_attn_backend`` groups
+    them. A state layer's views are ``<layer>[i]``."""
+    import torch
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm.v1.worker.utils import AttentionGroup
+
+    attn_groups = []
+    for group_id, group in enumerate(kv_config.kv_cache_groups):
+        by_backend: dict[tuple[Any, Any], list[str]] = {}
+        for name in group.layer_names:
+            spec = group.kv_cache_spec
+            spec = spec.kv_cache_specs[name] if spec_kind(spec) == "uniform_type" else spec
+            by_backend.setdefault((backends[name], spec), []).append(name)
+        attn_groups.append([AttentionGroup(backend, names, spec, group_id)
+                            for (backend, spec), names in by_backend.items()])  # fmt: skip
+
+    class Runner:
+        """The runner's state its allocation reads, and the runner's own methods."""
+
+        device, runner_only_attn_layers = torch.device("meta"), frozenset()
+        _kv_cache_spec_attn_group_iterator = GPUModelRunner._kv_cache_spec_attn_group_iterator
+        _update_hybrid_attention_mamba_layout = GPUModelRunner._update_hybrid_attention_mamba_layout
+
+    runner = Runner()
+    runner.kv_cache_config, runner.attn_groups = kv_config, attn_groups  # type: ignore[attr-defined]
+    runner.cache_config = config.cache_config  # type: ignore[attr-defined]
+    raw = GPUModelRunner._allocate_kv_cache_tensors(runner, kv_config)  # type: ignore[arg-type]
+    caches = GPUModelRunner._reshape_kv_cache_tensors(runner, raw, kernel_block_sizes)  # type: ignore[arg-type]
+    views = []
+    for name, cache in caches.items():  # a state layer's: a list of state tensors
+        views += (
+            [_view(f"{name}[{i}]", t) for i, t in enumerate(cache)]
+            if isinstance(cache, list)
+            else [_view(name, cache)]
+        )
+    return tuple(views)
 
 
 def tensor_placements(kv_config: Any) -> tuple[KVCacheTensorPlacement, ...]:
