@@ -1,8 +1,9 @@
 """Where each layer's pages sit in the pool: the ``KVCacheTensor`` placement of vLLM 0.29+
 (``get_kv_cache_config_from_groups``, vllm/v1/core/kv_cache_utils.py; 0.33 moved it to
 vllm/v1/core/kv_cache_planning.py) for a layer-outermost layout, the one the default preference
-(LBNHC) and vLLM's CPU attention (LBHNC) resolve, and each layer's view of it; and the one
-tensor per layer slot of 0.23 to 0.28 (:func:`kv_cache_tensor_slots`).
+(LBNHC) and vLLM's CPU attention (LBHNC) resolve, and each layer's view of it; the one tensor
+per layer slot of 0.23 to 0.28 (:func:`kv_cache_tensor_slots`) and, in 0.23 to 0.25, each layer's
+view of it through its attention backend (:func:`kv_cache_views_by_backend`).
 
 One backing allocation of ``bytes_per_block * num_blocks`` bytes holds every group; groups alias
 it from byte 0 (a block id belongs to one group at a time). Within a group, the layers of one spec

@@ -327,12 +327,11 @@ def kv_cache_views_by_runner(
     raw = GPUModelRunner._allocate_kv_cache_tensors(runner, kv_config)  # type: ignore[arg-type]
     caches = GPUModelRunner._reshape_kv_cache_tensors(runner, raw, kernel_block_sizes)  # type: ignore[arg-type]
     views = []
-    for name, cache in caches.items():  # a state layer's: a list of state tensors
-        views += (
-            [_view(f"{name}[{i}]", t) for i, t in enumerate(cache)]
-            if isinstance(cache, list)
-            else [_view(name, cache)]
-        )
+    for name, cache in caches.items():
+        if isinstance(cache, list):  # a state layer's state tensors
+            views += [_view(f"{name}[{i}]", t) for i, t in enumerate(cache)]
+        else:
+            views.append(_view(name, cache))
     return tuple(views)
 
 
