@@ -190,7 +190,7 @@ def kv_cache_tensors(backend: Any, reference: Any, scenario: Scenario) -> None:
     apart their blocks and layers are (vLLM 0.29+, ``kv_cache_tensor_placement``; before, one
     tensor per layer slot, shared by the slot's layer of each group)."""
     specs, _ = placement_specs(reference, scenario, "places")
-    expected = reference.kv_cache_tensors(specs, PLACEMENT_BLOCKS, scenario=scenario)
+    expected = call_rule(reference, "kv_cache_tensors", specs, PLACEMENT_BLOCKS, scenario=scenario)
     got = call_rule(backend, "kv_cache_tensors", specs, PLACEMENT_BLOCKS, scenario=scenario)
     assert_same(
         "grouping", backend, scenario, {"kv_cache_tensors": list(expected)}, {"kv_cache_tensors": list(got)}

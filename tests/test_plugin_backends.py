@@ -15,7 +15,6 @@ import pytest
 
 from pytest_kvconform.scenario import load_scenario, packaged_scenario_names
 
-TOY = Path(__file__).parent / "toy_plugin"
 pytestmark = pytest.mark.usefixtures("toy_on_path")
 SUITES = Path(__file__).resolve().parents[1] / "pytest_kvconform" / "suites"
 RULES, ALLOCATION = str(SUITES / "test_kvconform_rules.py"), str(SUITES / "test_kvconform_allocation.py")
@@ -32,8 +31,8 @@ UNCONFIGURED = [s for s in SCENARIOS if s.expect.get("rejects") == "unsupported_
 
 
 @pytest.fixture
-def toy(pytester: pytest.Pytester) -> pytest.Pytester:
-    pytester.syspathinsert(TOY)
+def toy(pytester: pytest.Pytester, toy_on_path: Path) -> pytest.Pytester:
+    pytester.syspathinsert(toy_on_path)
     return pytester
 
 

@@ -66,3 +66,14 @@ def test_a_once_per_process_hook_credits_no_rule(pytester: pytest.Pytester) -> N
     platform = "kvtoy.registering:RegisteringPlatform"
     got = _verdicts(pytester, tests="test_kv_cache_tensors", platform=platform)
     assert got["test_kv_cache_tensors"]["verdict"] == "core", got["test_kv_cache_tensors"]
+
+
+def test_a_failing_once_per_process_hook_fails_the_rule(pytester: pytest.Pytester) -> None:
+    """The platform's ``register_custom_kv_cache_specs`` raising while the scenario is prepared
+    (unwatched) is not lost: the planner runs the hook again, and the rule asked crashes with its
+    error (before: vLLM's built-in spec types stayed registered, the hook never ran again, and
+    the test ended ``core``, as if the plugin had no hook)."""
+    platform = "kvtoy.registering:FailingRegistrationPlatform"
+    got = _verdicts(pytester, tests="test_kv_cache_tensors", platform=platform)
+    assert got["test_kv_cache_tensors"]["verdict"] == "crashed", got["test_kv_cache_tensors"]
+    assert "spec types cannot be registered" in got["test_kv_cache_tensors"]["message"]

@@ -430,7 +430,8 @@ class VllmBackend(ReferenceBackend):
         that cannot be built offline is reported by the rule call itself. The registry of spec
         types is filled here too, which vLLM's planner does once per process
         (``KVCacheSpecRegistry._ensure_registered``, calling the platform's
-        ``register_custom_kv_cache_specs``): whichever rule planned first would be credited."""
+        ``register_custom_kv_cache_specs``): whichever rule planned first would be credited. A hook
+        that raises is run again by the rule's planning (:func:`.planning.fill_spec_registry`)."""
         vllm_runtime()
         freeze_heap()
         with contextlib.suppress(Exception):
@@ -438,9 +439,7 @@ class VllmBackend(ReferenceBackend):
             with self._scope(scenario):
                 config = engine_config or planning.neutral_inputs({}, self._runtime(scenario))[0]
                 with _current_config(config):
-                    from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
-
-                    KVCacheSpecRegistry.check_kv_cache_spec_registry({})
+                    planning.fill_spec_registry()
 
     def worker_steps(self) -> WorkerSteps:
         """How this backend's worker runs ``init_device`` and ``load_model`` (:class:`.worker.WorkerSteps`):

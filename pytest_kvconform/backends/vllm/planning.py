@@ -265,6 +265,22 @@ def estimate_max_model_len(config: Any, vllm_specs: Mapping[str, Any], available
     return vllm_runtime().planning.estimate_max_model_len(config, _groups(config, vllm_specs), available)
 
 
+def fill_spec_registry() -> None:
+    """vLLM's registry of spec types, filled as its planner fills it once per process
+    (``KVCacheSpecRegistry._ensure_registered``, vllm/v1/kv_cache_spec_registry.py: the built-in
+    types, then the platform's ``register_custom_kv_cache_specs``). Where the platform's hook
+    raises, the registry is emptied again and the error raised: the planner's next call runs the
+    hook again, so the rule that plans reports the error instead of planning without the hook."""
+    from vllm.v1 import kv_cache_spec_registry as registry
+
+    try:
+        registry.KVCacheSpecRegistry.check_kv_cache_spec_registry({})
+    except Exception:
+        registry._REGISTRY_KVCACHESPEC_LIST.clear()
+        getattr(registry, "_REGISTRY_ROLE_MANAGERS", {}).clear()  # 0.30+
+        raise
+
+
 def kv_cache_config(config: Any, vllm_specs: Mapping[str, Any], available_memory: int) -> Any:
     """vLLM's own ``KVCacheConfig`` for one worker with ``available_memory`` bytes
     (``get_kv_cache_configs``), whether or not one max-length request fits in it (its

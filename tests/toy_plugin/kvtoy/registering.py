@@ -9,3 +9,11 @@ class RegisteringPlatform(ToyPlatform):
     @classmethod
     def register_custom_kv_cache_specs(cls, vllm_config):
         """Registers nothing (the toy has no spec type of its own), but its code runs."""
+
+
+class FailingRegistrationPlatform(ToyPlatform):
+    """A spec registration hook that raises: the error must reach the rule that plans, never vanish."""
+
+    @classmethod
+    def register_custom_kv_cache_specs(cls, vllm_config):
+        raise RuntimeError("kvtoy: this platform's spec types cannot be registered")
